@@ -1,0 +1,46 @@
+"""thunder_dtensor: DTensor programs under ``thunder.jit``.
+
+``import thunder_dtensor`` (before or instead of ``import thunder`` on torch >= 2.13) makes thunder's jit
+trace DTensor inputs as :class:`DTensorProxy`, check their specs in the prologue, and run their ops as
+dtensor prims on this package's executor, forward and backward.
+"""
+
+from __future__ import annotations
+
+from thunder_dtensor import _integration
+from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, thunder
+
+__all__ = ["DISTRIBUTED_AVAILABLE", "thunder"]
+
+if DISTRIBUTED_AVAILABLE:
+    from thunder_dtensor import guards, ops  # noqa: F401
+    from thunder_dtensor.dispatch import register_function_for_dtensor, register_method_for_dtensor
+    from thunder_dtensor.errors import DTensorOpError
+    from thunder_dtensor.executor import dtensor_ex
+    from thunder_dtensor.guards import check_dtensor_spec_repr
+    from thunder_dtensor.primitive import DTENSOR_PRIMS, define_dtensor_prim, define_dtensor_symbol, define_vjp
+    from thunder_dtensor.proxy import DTensorProxy, is_dtensor_proxy, proxify_dtensor
+    from thunder_dtensor.spec import DTensorMeta
+
+    _integration.install_thunder_hooks(
+        proxify=proxify_dtensor,
+        is_dtensor_proxy=is_dtensor_proxy,
+        spec_check_prim=check_dtensor_spec_repr,
+        prologue_spec_check=guards.add_prologue_spec_checks,
+        backward_cotangent_check=guards.match_cotangent_specs,
+        cotangent_add=ops.pointwise.accumulate_cotangents,
+    )
+
+    __all__ += [
+        "DTENSOR_PRIMS",
+        "DTensorMeta",
+        "DTensorOpError",
+        "DTensorProxy",
+        "check_dtensor_spec_repr",
+        "define_dtensor_prim",
+        "define_dtensor_symbol",
+        "define_vjp",
+        "dtensor_ex",
+        "register_function_for_dtensor",
+        "register_method_for_dtensor",
+    ]

@@ -1,0 +1,257 @@
+"""Every touch of thunder's and torch's private APIs lives here, version-gated.
+
+A new thunder or torch release should mean editing this file only. The rest of the package imports
+``thunder`` and ``torch`` public names, or the names re-exported below.
+
+What is patched, and why:
+
+* torch >= 2.13 removed five named-tensor methods that thunder <= 0.2.6 lists for auto-registration, so
+  ``import thunder`` fails. We add placeholders for the duration of the import only, then remove them
+  from ``torch.Tensor`` and from thunder's tables again.
+* thunder's core calls hooks of its own experimental DTensor path (proxy creation, prologue checks,
+  backward cotangent checks, cotangent accumulation). We point those hooks at this package instead, so
+  that path is never used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from looseversion import LooseVersion
+
+TORCH_VERSION = LooseVersion(torch.__version__.split("+")[0])
+
+#: Whether torch was built with ``torch.distributed``; the package imports without it.
+DISTRIBUTED_AVAILABLE: bool = torch.distributed.is_available()
+
+_REMOVED_NAMED_TENSOR_METHODS = ("align_as", "align_to", "has_names", "refine_names", "rename")
+
+
+def _named_tensor_placeholder(name: str) -> Callable:
+    def removed(*args: Any, **kwargs: Any) -> Any:
+        raise AttributeError(f"torch.Tensor.{name} does not exist in torch {torch.__version__}")
+
+    removed.__name__ = name
+    removed.__qualname__ = f"Tensor.{name}"
+    return removed
+
+
+@contextlib.contextmanager
+def _named_tensor_shims() -> Iterator[dict[str, Callable]]:
+    """Temporarily provide the named-tensor methods thunder 0.2.x references at import time."""
+    missing = {n: _named_tensor_placeholder(n) for n in _REMOVED_NAMED_TENSOR_METHODS if not hasattr(torch.Tensor, n)}
+    for name, fn in missing.items():
+        setattr(torch.Tensor, name, fn)
+    try:
+        yield missing
+    finally:
+        for name in missing:
+            delattr(torch.Tensor, name)
+
+
+def _import_thunder() -> types.ModuleType:
+    if "thunder" in sys.modules and hasattr(sys.modules["thunder"], "jit"):
+        return sys.modules["thunder"]
+    with _named_tensor_shims() as shims:
+        import thunder
+        import thunder.torch.default_torch_ops as default_ops
+        from thunder.core import jit_ext
+        from thunder.torch import _torch_to_thunder_function_map
+
+        placeholders = set(shims.values())
+        if placeholders:
+            ops = default_ops.torch_auto_registered_ops[torch.Tensor]
+            ops[:] = [fn for fn in ops if fn not in placeholders]
+            for fn in placeholders:
+                _torch_to_thunder_function_map.pop(fn, None)
+                jit_ext._general_jit_lookaside_map.pop(fn, None)
+    return thunder
+
+
+thunder = _import_thunder()
+THUNDER_VERSION = LooseVersion(thunder.__version__)
+if not (LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")):
+    raise ImportError(
+        f"thunder_dtensor supports lightning-thunder 0.2.6 to 0.2.x, found {thunder.__version__}; "
+        "update thunder_dtensor/_integration.py for this release"
+    )
+
+# ---------------------------------------------------------------------------------------------------------
+# thunder internals used by the package (re-exported so other modules never reach into thunder directly)
+# ---------------------------------------------------------------------------------------------------------
+import thunder.core.devices as devices  # noqa: E402
+import thunder.core.dtypes as dtypes  # noqa: E402
+import thunder.torch as ltorch  # noqa: E402
+from thunder.core import prims  # noqa: E402
+from thunder.core.baseutils import check  # noqa: E402
+from thunder.core.langctxs import Languages, langctx  # noqa: E402
+from thunder.core.prims import OpTags, make_prim  # noqa: E402
+from thunder.core.proxies import AnyProxy, NumberProxy, Proxy, TensorProxy, pyval, variableify  # noqa: E402
+from thunder.core.pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
+from thunder.core.symbol import BoundSymbol, Symbol  # noqa: E402
+from thunder.core.trace import TraceCtx, from_trace, get_tracectx, tracectx  # noqa: E402
+from thunder.core.transforms import get_grad, put_grad, put_grads, register_grad  # noqa: E402
+from thunder.extend import OperatorExecutor, add_always_executor, register_executor  # noqa: E402
+
+__all__ = [
+    "AnyProxy",
+    "BoundSymbol",
+    "DISTRIBUTED_AVAILABLE",
+    "Languages",
+    "NumberProxy",
+    "OpTags",
+    "OperatorExecutor",
+    "Proxy",
+    "Symbol",
+    "TensorProxy",
+    "TraceCtx",
+    "add_always_executor",
+    "check",
+    "devices",
+    "dtypes",
+    "from_trace",
+    "get_grad",
+    "get_tracectx",
+    "langctx",
+    "ltorch",
+    "make_prim",
+    "prims",
+    "put_grad",
+    "put_grads",
+    "pyval",
+    "register_executor",
+    "register_grad",
+    "thunder",
+    "tracectx",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "variableify",
+]
+
+# ---------------------------------------------------------------------------------------------------------
+# torch internals
+# ---------------------------------------------------------------------------------------------------------
+if DISTRIBUTED_AVAILABLE:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DeviceMesh, DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+else:  # pragma: no cover - exercised by the no-distributed test through a subprocess
+    FakeTensorMode = DeviceMesh = DTensor = DTensorSpec = TensorMeta = None
+    Partial = Placement = Replicate = Shard = None
+
+
+def dtensor_spec(x: Any) -> Any:
+    """The ``DTensorSpec`` of a runtime DTensor (private attribute)."""
+    return x._spec
+
+
+def local_tensor(x: Any) -> torch.Tensor:
+    """The local shard of a runtime DTensor, without autograd tracking through ``to_local``."""
+    return x._local_tensor
+
+
+def make_fake_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> Any:
+    """A DTensor with the given spec around ``local`` (used on fake tensors at trace time)."""
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def fake_tensor_mode() -> Any:
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hooks into thunder's core
+# ---------------------------------------------------------------------------------------------------------
+def register_torch_function(torch_fn: Callable, thunder_impl: Callable, *, method_name: str | None = None) -> None:
+    """Map ``torch_fn`` (and optionally a Tensor method) to ``thunder_impl`` for thunder's interpreter.
+
+    thunder copies its torch-to-thunder map into the interpreter's lookaside table when it is imported, so a
+    later registration has to update both.
+    """
+    from thunder.core import jit_ext
+    from thunder.torch.langctx import register_method
+
+    ltorch.register_function(torch_fn, thunder_impl)
+    jit_ext._general_jit_lookaside_map[torch_fn] = jit_ext.ensure_recursive_proxies(
+        jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(thunder_impl))
+    )
+    if method_name is not None:
+        register_method(method_name, thunder_impl)
+
+
+def torch_to_thunder_map() -> dict[Callable, Callable]:
+    return ltorch._torch_to_thunder_function_map
+
+
+def thunder_method(name: str) -> Callable | None:
+    from thunder.torch.langctx import _method_name_to_fn_map
+
+    return _method_name_to_fn_map.get(name)
+
+
+class _AutodiffTorchNamespace(types.ModuleType):
+    """Stands in for ``thunder.torch`` inside thunder's autodiff so cotangent sums of DTensors dispatch.
+
+    thunder accumulates the cotangents of a value used several times with ``ltorch.add``, a single-device
+    symbol. Everything but ``add`` is thunder.torch itself.
+    """
+
+    def __init__(self, add: Callable) -> None:
+        super().__init__("thunder.torch")
+        self.add = add
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(ltorch, name)
+
+
+def install_thunder_hooks(
+    *,
+    proxify: Callable,
+    is_dtensor_proxy: Callable,
+    spec_check_prim: Symbol,
+    prologue_spec_check: Callable,
+    backward_cotangent_check: Callable,
+    cotangent_add: Callable,
+) -> None:
+    """Point thunder's DTensor hooks at this package (thunder 0.2.6 layout)."""
+    import thunder.core.jit_ext as jit_ext
+    import thunder.torch.experimental.dtensor_proxy as thunder_dtensor_proxy
+    import thunder.torch.experimental.dtensor_utils as thunder_dtensor_utils
+    import thunder.transforms.autodiff as autodiff
+
+    # thunder.core.proxies.proxy() imports this name at call time.
+    thunder_dtensor_proxy.proxify_dtensor = proxify
+    # jit_ext imported these names at module level: rebind them there.
+    jit_ext.is_dtensor_proxy = is_dtensor_proxy
+    jit_ext.check_dtensor_spec_repr = spec_check_prim
+    jit_ext.handle_check_dtensor_spec_in_prologue = prologue_spec_check
+    # autodiff imports this at call time.
+    thunder_dtensor_utils.check_dtensor_cotangent_metadata_in_backward = backward_cotangent_check
+    autodiff.ltorch = _AutodiffTorchNamespace(cotangent_add)
+
+
+def is_unpack_cotangents(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` unpacks the backward's cotangent sequence (thunder 0.2.6 naming)."""
+    return bsym.sym.id == prims.PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == "cotangents"
+
+
+def bind_unpack_attr(obj: Proxy, attr: str, output: Proxy) -> BoundSymbol:
+    return prims.unpack_attr.bind(obj, attr, output=output)
+
+
+def check_tensor_metadata(t: TensorProxy) -> None:
+    from thunder import clang
+
+    clang.check_tensor_shape_and_metadata(t)
+
+
+def torchsymbol(name: str) -> Callable[[Callable], Symbol]:
+    """A torch-level thunder symbol that accepts DTensorProxy inputs; it maps no torch function itself."""
+    return ltorch.torchsymbol(id=f"thunder_dtensor.{name}", allow_tensor_subclass_proxy=True)

@@ -1,0 +1,100 @@
+"""``DTensorProxy``: how a DTensor appears in thunder's traces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from thunder_dtensor import _integration as ti
+from thunder_dtensor.spec import DTensorMeta
+
+__all__ = ["DTensorProxy", "is_dtensor_proxy", "proxify_dtensor"]
+
+
+class DTensorProxy(ti.TensorProxy):
+    """A ``TensorProxy`` for a DTensor.
+
+    Its ``shape`` is the global shape (as ``DTensor.shape`` is); the distribution lives in ``meta``: mesh,
+    placements, stride and the local shape of this rank's shard. The meta is an immutable value, so proxies
+    made with ``like=`` (cotangents, renamed copies) share it.
+    """
+
+    _DEFAULT_PREFIX = "dtensor_"
+
+    def __init__(self, name: str | None = None, *, meta: DTensorMeta | None = None, like: Any = None, **kwargs: Any):
+        if meta is None:
+            ti.check(isinstance(like, DTensorProxy), lambda: "DTensorProxy needs meta= or like=<DTensorProxy>")
+            meta = like.meta
+        if like is None:
+            kwargs.setdefault("shape", meta.shape)
+            kwargs.setdefault("dtype", ti.dtypes.to_dtype(meta.dtype))
+        super().__init__(name, like=like, **kwargs)
+        ti.check(
+            tuple(self._shape) == meta.shape,
+            lambda: f"DTensorProxy shape {tuple(self._shape)} does not match its spec's global shape {meta.shape}",
+        )
+        self.meta: DTensorMeta = meta
+
+    @property
+    def device_mesh(self) -> Any:
+        return self.meta.mesh
+
+    @property
+    def placements(self) -> tuple:
+        return self.meta.placements
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.meta.local_shape
+
+    def type_string(self) -> str:
+        return f"DTensor {self.device.device_str()} {self.dtype.shortname()}{list(self._shape)} {self.meta.describe()}"
+
+    def __repr__(self) -> str:
+        return f'<DTensorProxy(name="{self.name}", dtype={self.dtype}, shape={self._shape}, {self.meta.describe()})>'
+
+    def replace(self, **changes: Any) -> DTensorProxy:
+        """A copy with new name / history / tags / requires_grad; the distribution cannot change here."""
+        for key in ("shape", "dtype", "device"):
+            ti.check(
+                key not in changes or changes[key] == getattr(self, f"_{key}"),
+                lambda: f"DTensorProxy.replace cannot change {key}: the DTensor spec would no longer match",
+            )
+        like = changes.get("like")
+        meta = like.meta if isinstance(like, DTensorProxy) else self.meta
+        return DTensorProxy(
+            name=changes.get("name", self.name),
+            meta=meta,
+            device=self._device,
+            requires_grad=changes.get("requires_grad", self._requires_grad),
+            grad=changes.get("grad", self._grad),
+            history=changes.get("history", self.history),
+            tags=changes.get("tags", self.tags),
+        )
+
+
+def is_dtensor_proxy(x: Any) -> bool:
+    return isinstance(x, DTensorProxy)
+
+
+def proxify_dtensor(x: Any, name: str | None = None, history: tuple | None = None) -> DTensorProxy | None:
+    """thunder's proxy() hook: a DTensorProxy for a runtime DTensor, None for anything else."""
+    if not ti.DISTRIBUTED_AVAILABLE or not isinstance(x, ti.DTensor):
+        return None
+    local = ti.local_tensor(x)
+    return DTensorProxy(
+        name,
+        meta=DTensorMeta.from_spec(ti.dtensor_spec(x), tuple(local.shape)),
+        device=ti.devices.to_device(x.device),
+        requires_grad=x.requires_grad,
+        history=history,
+    )
+
+
+def new_dtensor_proxy(meta: DTensorMeta, device: Any, requires_grad: bool) -> DTensorProxy:
+    return DTensorProxy(meta=meta, device=device, requires_grad=requires_grad)
+
+
+def torch_dtype(p: ti.TensorProxy) -> torch.dtype:
+    return ti.dtypes.to_torch_dtype(p.dtype)

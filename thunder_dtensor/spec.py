@@ -1,0 +1,61 @@
+"""Immutable distribution metadata carried by a ``DTensorProxy``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from thunder_dtensor import _integration as ti
+
+__all__ = ["DTensorMeta"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DTensorMeta:
+    """A DTensor's spec (mesh, placements, global shape, stride, dtype) plus this rank's local shape.
+
+    The spec is torch's own ``DTensorSpec``, a hashable value; it is what the prologue checks and what
+    sharding propagation consumes.
+    """
+
+    spec: Any
+    local_shape: tuple[int, ...]
+
+    @classmethod
+    def from_spec(cls, spec: Any, local_shape: tuple[int, ...]) -> DTensorMeta:
+        ti.check(spec.tensor_meta is not None, lambda: f"DTensor spec without tensor metadata: {spec}")
+        return cls(spec, tuple(int(s) for s in local_shape))
+
+    @property
+    def mesh(self) -> Any:
+        return self.spec.mesh
+
+    @property
+    def placements(self) -> tuple:
+        return tuple(self.spec.placements)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.spec.tensor_meta.shape)
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return tuple(self.spec.tensor_meta.stride)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.tensor_meta.dtype
+
+    def describe(self) -> str:
+        return f"mesh={self.mesh}, placements={self.placements}"
+
+    def spec_repr(self) -> str:
+        """The string the prologue compares with the runtime spec: mesh, placements, shape, stride, dtype."""
+        return repr(self.spec)
+
+    def fake_dtensor(self, device: torch.device, requires_grad: bool = False) -> Any:
+        """A DTensor with this spec around an empty local tensor; call under a fake tensor mode."""
+        local = torch.empty(self.local_shape, dtype=self.dtype, device=device)
+        return ti.make_fake_dtensor(local, self.spec, requires_grad=requires_grad)

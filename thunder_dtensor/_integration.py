@@ -74,6 +74,10 @@ def _import_thunder() -> types.ModuleType:
 
 
 thunder = _import_thunder()
+
+# ConstantFolding inverts thunder's torch-to-thunder map once, when its module is imported. Import it before
+# this package adds its dispatchers to the map, so the inversion holds thunder's own symbols.
+import thunder.transforms.constant_folding  # noqa: E402,F401
 THUNDER_VERSION = LooseVersion(thunder.__version__)
 if not (LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")):
     raise ImportError(
@@ -179,9 +183,13 @@ def register_torch_function(torch_fn: Callable, thunder_impl: Callable, *, metho
     from thunder.torch.langctx import register_method
 
     ltorch.register_function(torch_fn, thunder_impl)
-    jit_ext._general_jit_lookaside_map[torch_fn] = jit_ext.ensure_recursive_proxies(
+    lookaside = jit_ext.ensure_recursive_proxies(
         jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(thunder_impl))
     )
+    jit_ext._general_jit_lookaside_map[torch_fn] = lookaside
+    # Tensor methods on proxies resolve to thunder_impl itself: keep the interpreter out of its internals,
+    # as it keeps out of thunder's symbols.
+    jit_ext._general_jit_lookaside_map[thunder_impl] = lookaside
     if method_name is not None:
         register_method(method_name, thunder_impl)
 

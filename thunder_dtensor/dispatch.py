@@ -22,9 +22,8 @@ def has_dtensor_argument(args: tuple, kwargs: dict) -> bool:
 class DTensorDispatcher:
     """Calls ``dtensor_symbol`` when any argument is a DTensorProxy, ``single_device_symbol`` otherwise.
 
-    It stands in thunder's torch-to-thunder map in place of the single-device symbol, and compares and
-    hashes equal to that symbol: transforms that invert the map (ConstantFolding) still find the torch
-    function of a single-device symbol.
+    It takes the single-device symbol's place in thunder's torch-to-thunder map and method table. Calls
+    without DTensors reach exactly the symbol thunder had there.
     """
 
     def __init__(self, single_device_symbol: Callable, dtensor_symbol: Callable) -> None:
@@ -33,27 +32,14 @@ class DTensorDispatcher:
         self.__name__ = getattr(single_device_symbol, "__name__", "dtensor_dispatch")
         self.__qualname__ = self.__name__
         self.__doc__ = getattr(single_device_symbol, "__doc__", None)
-        self.__module__ = __name__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if has_dtensor_argument(args, kwargs):
             return self.dtensor_symbol(*args, **kwargs)
         return self.single_device_symbol(*args, **kwargs)
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, DTensorDispatcher):
-            return self.single_device_symbol == other.single_device_symbol
-        return self.single_device_symbol == other
-
-    def __hash__(self) -> int:
-        return hash(self.single_device_symbol)
-
-    def __getattr__(self, name: str) -> Any:
-        # id, name, tags, ...: the single-device symbol's, so code that inspects map entries still works
-        return getattr(self.__dict__["single_device_symbol"], name)
-
     def __repr__(self) -> str:
-        return f"DTensorDispatcher({self.__name__}: {self.dtensor_symbol.name})"
+        return f"DTensorDispatcher({self.__name__} -> {self.dtensor_symbol.name})"
 
 
 def register_function_for_dtensor(

@@ -250,8 +250,14 @@ def is_unpack_cotangents(bsym: BoundSymbol) -> bool:
     return bsym.sym.id == prims.PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == "cotangents"
 
 
-def bind_unpack_attr(obj: Proxy, attr: str, output: Proxy) -> BoundSymbol:
-    return prims.unpack_attr.bind(obj, attr, output=output)
+def bind_unpack_dtensor_spec(dtensor: Proxy, output: Proxy) -> BoundSymbol:
+    """A prologue line ``output = dtensor._spec``."""
+    return prims.unpack_attr.bind(dtensor, "_spec", output=output)
+
+
+def bind_unpack_local_tensor(dtensor: Proxy, output: Proxy) -> BoundSymbol:
+    """A prologue line ``output = dtensor._local_tensor``."""
+    return prims.unpack_attr.bind(dtensor, "_local_tensor", output=output)
 
 
 def check_tensor_metadata(t: TensorProxy) -> None:

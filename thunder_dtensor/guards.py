@@ -79,13 +79,13 @@ def add_prologue_spec_checks(prim: Any, prologue_trace: ti.TraceCtx, args: tuple
     dtensor, _runtime_spec = args
     ti.check(isinstance(dtensor, DTensorProxy), lambda: f"expected a DTensorProxy, got {type(dtensor)}")
     spec = ti.AnyProxy(_runtime_spec, prefix="dtensor_spec")
-    prologue_trace.bound_symbols.append(ti.bind_unpack_attr(dtensor, "_spec", spec))
+    prologue_trace.bound_symbols.append(ti.bind_unpack_dtensor_spec(dtensor, spec))
     _run_check_dtensor_spec_repr(spec, dtensor.meta.spec_repr())
 
     local = ti.TensorProxy(
         prefix="local", shape=dtensor.local_shape, dtype=dtensor.dtype, device=dtensor.device, requires_grad=False
     )
-    prologue_trace.bound_symbols.append(ti.bind_unpack_attr(dtensor, "_local_tensor", local))
+    prologue_trace.bound_symbols.append(ti.bind_unpack_local_tensor(dtensor, local))
     torch_device = str(ti.devices.to_torch_device(dtensor.device))
     _run_check_dtensor_local_metadata(local, dtensor.local_shape, ti.dtypes.to_torch_dtype(dtensor.dtype), torch_device)
     return True

@@ -8,6 +8,7 @@ operation on the runtime DTensors. Its grad rule is written with other dtensor p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,5 +141,24 @@ def tensor_args(args: Sequence[Any]) -> list[ti.TensorProxy]:
 
 
 def define_dtensor_symbol(fn: Callable) -> ti.Symbol:
-    """A torch-level dtensor symbol (``dtensor_mul``): it decomposes into dtensor prims in the trace."""
-    return ti.torchsymbol(fn.__name__)(fn)
+    """A torch-level dtensor symbol (``dtensor_mul``): it decomposes into dtensor prims in the trace.
+
+    An output that is one of the inputs (``x.float()`` on a float DTensor) becomes a dtensor alias: thunder
+    would otherwise insert its single-device ``shallow_copy``, which loses the DTensor.
+    """
+
+    @functools.wraps(fn)
+    def with_fresh_outputs(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        inputs = {id(a) for a in ti.tree_flatten((args, kwargs))[0] if isinstance(a, DTensorProxy)}
+        return ti.tree_map(lambda o: dtensor_alias_prim(o) if id(o) in inputs else o, out)
+
+    return ti.torchsymbol(fn.__name__)(with_fresh_outputs)
+
+
+dtensor_alias_prim = define_dtensor_prim("alias", lambda a: a.view_as(a))
+
+
+@define_vjp(dtensor_alias_prim)
+def _alias_vjp(g, out, a):
+    return (g,)

@@ -1,0 +1,50 @@
+"""Only thunder_dtensor's executor runs dtensor prims, whatever executors the user passes."""
+
+import pytest
+import thunder
+from thunder.extend import get_executor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from thunder_dtensor import DTensorProxy, dtensor_ex
+from thunder_dtensor.primitive import DTENSOR_PRIMS
+from thunder_dtensor.testing import make_full, mesh_1d
+
+
+def _available_executors():
+    names = ["torchcompile", "torch", "python", "nvfuser"]
+    return [ex for ex in (get_executor(n) for n in names) if ex is not None]
+
+
+def fn(x, w, b):
+    return ((x * w + b).sigmoid() * 2.0 - x / 3).float()
+
+
+def _touches_dtensor(bsym):
+    return any(isinstance(p, DTensorProxy) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs))
+
+
+@pytest.mark.parametrize("executors", [None, "all"], ids=["default", "torchcompile+torch+python+nvfuser"])
+def test_every_dtensor_bsym_runs_on_dtensor_executor(executors):
+    mesh = mesh_1d()
+    x = distribute_tensor(make_full((8, 8), seed=0), mesh, [Shard(0)]).requires_grad_()
+    w = distribute_tensor(make_full((8, 8), seed=1), mesh, [Replicate()]).requires_grad_()
+    b = distribute_tensor(make_full((8,), seed=2), mesh, [Replicate()]).requires_grad_()
+    kwargs = {} if executors is None else {"executors": _available_executors()}
+    jfn = thunder.jit(fn, **kwargs)
+    out = jfn(x, w, b)
+    out.sum().backward()
+
+    for trace in (thunder.last_traces(jfn)[-1], thunder.last_backward_traces(jfn)[-1]):
+        dtensor_bsyms = [b for b in trace.bound_symbols if "dtensor" in b.sym.name]
+        assert dtensor_bsyms, "expected dtensor symbols in the execution trace"
+        for bsym in dtensor_bsyms:
+            assert bsym.sym.executor is dtensor_ex, f"{bsym.sym.name} runs on {bsym.sym.executor}"
+        for bsym in trace.bound_symbols:
+            # thunder's bookkeeping (unpack, del, return) has no executor; every other executor leaves DTensors alone
+            if bsym.sym.executor not in (None, dtensor_ex):
+                assert not _touches_dtensor(bsym), f"{bsym.sym.name} on {bsym.sym.executor} touches a DTensor"
+
+    # no other executor claims a dtensor prim
+    for ex in _available_executors():
+        for name, prim in DTENSOR_PRIMS.items():
+            assert prim.id not in ex.implmap, f"{ex.name} has an implementation of {name}"

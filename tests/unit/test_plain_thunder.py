@@ -1,0 +1,82 @@
+"""With thunder_dtensor imported, plain-tensor programs behave exactly as in thunder."""
+
+import subprocess
+import sys
+
+import thunder_dtensor  # noqa: F401  (first: makes thunder importable on torch >= 2.13)
+import thunder
+import torch
+from thunder.transforms import ConstantFolding
+
+from thunder_dtensor import _integration
+
+
+def test_named_tensor_shims_do_not_leak():
+    # thunder 0.2.6 needs these at import time on torch >= 2.13; afterwards torch.Tensor is as torch made it
+    if _integration.TORCH_VERSION >= "2.13":
+        for name in ("align_as", "align_to", "has_names", "refine_names", "rename"):
+            assert not hasattr(torch.Tensor, name)
+
+
+def test_plain_program_uses_thunder_symbols_and_grads():
+    def fn(x, w):
+        return (x * w + x).exp().sum()
+
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(4, 5, requires_grad=True)
+    jfn = thunder.jit(fn)
+    out = jfn(x, w)
+    out.backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    expected = fn(x2, w2)
+    expected.backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    initial = str(thunder.last_traces(jfn)[0])
+    assert "ltorch.mul(x, w)" in initial and "ltorch.add(" in initial
+    assert "dtensor" not in str(thunder.last_traces(jfn)[-1])
+
+
+def test_constant_folding_with_package_imported():
+    def fn(x):
+        scale = torch.tensor([2.0])
+        scale = (scale * 10) / 5
+        return x * scale
+
+    x = torch.randn(3)
+    jfn = thunder.jit(fn, transforms=[ConstantFolding()])
+    torch.testing.assert_close(jfn(x), x * 4.0)
+    final = str(thunder.last_traces(jfn)[-1])
+    assert "[4.0]" in final  # (2 * 10) / 5 was folded into a constant
+    assert "ltorch.mul(scale" not in final
+
+
+def test_import_without_torch_distributed():
+    """torch built without distributed: importing works and plain thunder.jit still runs."""
+    code = (
+        "import torch\n"
+        "torch.distributed.is_available = lambda: False\n"
+        "import thunder_dtensor, thunder\n"
+        "assert not thunder_dtensor.DISTRIBUTED_AVAILABLE\n"
+        "assert not hasattr(thunder_dtensor, 'DTensorProxy')\n"
+        "x = torch.arange(6.0)\n"
+        "out = thunder.jit(lambda a: a * 2 + 1)(x)\n"
+        "assert torch.equal(out, x * 2 + 1), out\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_constant_folding_inverse_map_keeps_thunder_symbols():
+    """ConstantFolding inverts the torch-to-thunder map: it must hold thunder's symbols, not our dispatchers."""
+    from thunder.transforms import constant_folding
+
+    from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
+
+    inverse = constant_folding._thunder_to_torch_function_map
+    assert not any(isinstance(k, DTensorDispatcher) for k in inverse)
+    for dispatcher in DISPATCH_TABLE.values():
+        assert dispatcher.single_device_symbol in inverse, dispatcher

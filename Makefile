@@ -1,0 +1,41 @@
+# One venv, everything installed by `make setup` (called by demo and test).
+# torch is pinned: on a machine without a GPU, torch==2.13.0 resolves to the local CPU build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCHRUN := $(VENV)/bin/torchrun
+TORCH_SPEC ?= torch==2.13.0
+# Only rank 0 prints; a failure on any rank still fails the run.
+RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
+RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
+
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(RUN2) examples/seed.py
+
+test: test-unit test-dist2 test-dist4
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+
+test-dist2: setup
+	$(RUN2) -m pytest tests/distributed -q -p no:cacheprovider
+
+test-dist4: setup
+	$(RUN4) -m pytest tests/distributed -q -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check thunder_dtensor tests examples
+	$(VENV)/bin/ruff format --check thunder_dtensor tests examples
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

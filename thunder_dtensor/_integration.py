@@ -74,10 +74,6 @@ def _import_thunder() -> types.ModuleType:
 
 
 thunder = _import_thunder()
-
-# ConstantFolding inverts thunder's torch-to-thunder map once, when its module is imported. Import it before
-# this package adds its dispatchers to the map, so the inversion holds thunder's own symbols.
-import thunder.transforms.constant_folding  # noqa: E402,F401
 THUNDER_VERSION = LooseVersion(thunder.__version__)
 if not (LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")):
     raise ImportError(
@@ -85,12 +81,66 @@ if not (LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")):
         "update thunder_dtensor/_integration.py for this release"
     )
 
+import thunder.torch as ltorch  # noqa: E402
+
+
+def _experimental_single_device_symbol(fn: Any) -> Any:
+    """The single-device symbol inside one of thunder's experimental DTensor dispatch wrappers, else None."""
+    code = getattr(fn, "__code__", None)
+    if code is None or not getattr(fn, "__qualname__", "").startswith("dispatch_to_impl."):
+        return None
+    cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+    cell = cells.get("single_device_symbol")
+    return None if cell is None else cell.cell_contents
+
+
+def _is_experimental_dtensor_symbol(fn: Any) -> bool:
+    return str(getattr(fn, "id", "")).startswith("dtensor.")
+
+
+def _remove_thunder_experimental_dtensor_registrations() -> None:
+    """Undo what thunder's experimental DTensor path put in the torch-to-thunder map and method table.
+
+    thunder 0.2.6 registers, when it is imported, wrappers for about ten torch functions that send DTensor
+    calls to its own prims. We restore thunder's single-device symbols there (this package registers its
+    own dispatchers afterwards) and drop its DTensor-only entries (``DTensor.from_local`` & co.).
+    """
+    from thunder.core import jit_ext
+    from thunder.torch.langctx import _method_name_to_fn_map
+
+    fn_map = ltorch._torch_to_thunder_function_map
+    for torch_fn, impl in list(fn_map.items()):
+        single = _experimental_single_device_symbol(impl)
+        if single is not None:
+            fn_map[torch_fn] = single
+            jit_ext._general_jit_lookaside_map[torch_fn] = jit_ext.ensure_recursive_proxies(
+                jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(single))
+            )
+        elif _is_experimental_dtensor_symbol(impl):
+            del fn_map[torch_fn]
+            jit_ext._general_jit_lookaside_map.pop(torch_fn, None)
+    for name, impl in list(_method_name_to_fn_map.items()):
+        single = _experimental_single_device_symbol(impl)
+        if single is not None:
+            _method_name_to_fn_map[name] = single
+
+
+def _refresh_constant_folding_inverse_map() -> None:
+    """ConstantFolding inverts the torch-to-thunder map once, at its import; it must hold thunder's symbols.
+
+    Called after the experimental entries are undone and before this package adds its dispatchers.
+    """
+    import thunder.transforms.constant_folding as constant_folding
+
+    inverse = constant_folding._thunder_to_torch_function_map
+    inverse.clear()
+    inverse.update({v: k for k, v in ltorch._torch_to_thunder_function_map.items()})
+
 # ---------------------------------------------------------------------------------------------------------
 # thunder internals used by the package (re-exported so other modules never reach into thunder directly)
 # ---------------------------------------------------------------------------------------------------------
 import thunder.core.devices as devices  # noqa: E402
 import thunder.core.dtypes as dtypes  # noqa: E402
-import thunder.torch as ltorch  # noqa: E402
 from thunder.core import prims  # noqa: E402
 from thunder.core.baseutils import check  # noqa: E402
 from thunder.core.langctxs import Languages, langctx  # noqa: E402
@@ -101,6 +151,10 @@ from thunder.core.symbol import BoundSymbol, Symbol  # noqa: E402
 from thunder.core.trace import TraceCtx, from_trace, get_tracectx, tracectx  # noqa: E402
 from thunder.core.transforms import get_grad, put_grad, put_grads, register_grad  # noqa: E402
 from thunder.extend import OperatorExecutor, add_always_executor, register_executor  # noqa: E402
+
+if DISTRIBUTED_AVAILABLE:
+    _remove_thunder_experimental_dtensor_registrations()
+_refresh_constant_folding_inverse_map()
 
 __all__ = [
     "AnyProxy",

@@ -29,6 +29,7 @@ if DISTRIBUTED_AVAILABLE:
         prologue_spec_check=guards.add_prologue_spec_checks,
         backward_cotangent_check=guards.match_cotangent_specs,
         cotangent_add=ops.pointwise.accumulate_cotangents,
+        bind_dtensor_zeros=ops.factories.bind_zero_cotangent,
     )
 
     __all__ += [

@@ -205,6 +205,19 @@ else:  # pragma: no cover - exercised by the no-distributed test through a subpr
     Partial = Placement = Replicate = Shard = None
 
 
+def torch_tree_flatten(tree: Any) -> tuple[list, Any]:
+    """torch's pytree flatten (DTensors are leaves), for run-time argument handling."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def torch_tree_unflatten(leaves: list, spec: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
 def dtensor_spec(x: Any) -> Any:
     """The ``DTensorSpec`` of a runtime DTensor (private attribute)."""
     return x._spec
@@ -218,6 +231,14 @@ def local_tensor(x: Any) -> torch.Tensor:
 def make_fake_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> Any:
     """A DTensor with the given spec around ``local`` (used on fake tensors at trace time)."""
     return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def dtensor_from_local_unchecked(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor of ``spec`` around ``local``, without communication (shape and stride from the spec)."""
+    meta = spec.tensor_meta
+    return DTensor.from_local(
+        local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
+    )
 
 
 def fake_tensor_mode() -> Any:
@@ -258,16 +279,32 @@ def thunder_method(name: str) -> Callable | None:
     return _method_name_to_fn_map.get(name)
 
 
-class _AutodiffTorchNamespace(types.ModuleType):
-    """Stands in for ``thunder.torch`` inside thunder's autodiff so cotangent sums of DTensors dispatch.
+class _ZerosBinder:
+    """``ltorch.zeros`` as thunder's autodiff uses it (``.bind``), with DTensor outputs sent elsewhere."""
 
-    thunder accumulates the cotangents of a value used several times with ``ltorch.add``, a single-device
-    symbol. Everything but ``add`` is thunder.torch itself.
+    def __init__(self, bind_dtensor_zeros: Callable) -> None:
+        self._bind_dtensor_zeros = bind_dtensor_zeros
+
+    def bind(self, *shape: Any, device: Any, dtype: Any, output: Any) -> BoundSymbol:
+        bsym = self._bind_dtensor_zeros(output)
+        return bsym if bsym is not None else ltorch.zeros.bind(*shape, device=device, dtype=dtype, output=output)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return ltorch.zeros(*args, **kwargs)
+
+
+class _AutodiffTorchNamespace(types.ModuleType):
+    """Stands in for ``thunder.torch`` inside thunder's autodiff so DTensor cotangents stay DTensors.
+
+    thunder's autodiff sums the cotangents of a value used several times with ``ltorch.add``, and makes
+    the zero cotangent of an intermediate with no gradient with ``ltorch.zeros``: both single-device.
+    Everything else is thunder.torch itself.
     """
 
-    def __init__(self, add: Callable) -> None:
+    def __init__(self, add: Callable, bind_dtensor_zeros: Callable) -> None:
         super().__init__("thunder.torch")
         self.add = add
+        self.zeros = _ZerosBinder(bind_dtensor_zeros)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(ltorch, name)
@@ -281,6 +318,7 @@ def install_thunder_hooks(
     prologue_spec_check: Callable,
     backward_cotangent_check: Callable,
     cotangent_add: Callable,
+    bind_dtensor_zeros: Callable,
 ) -> None:
     """Point thunder's DTensor hooks at this package (thunder 0.2.6 layout)."""
     import thunder.core.jit_ext as jit_ext
@@ -296,7 +334,7 @@ def install_thunder_hooks(
     jit_ext.handle_check_dtensor_spec_in_prologue = prologue_spec_check
     # autodiff imports this at call time.
     thunder_dtensor_utils.check_dtensor_cotangent_metadata_in_backward = backward_cotangent_check
-    autodiff.ltorch = _AutodiffTorchNamespace(cotangent_add)
+    autodiff.ltorch = _AutodiffTorchNamespace(cotangent_add, bind_dtensor_zeros)
 
 
 def is_unpack_cotangents(bsym: BoundSymbol) -> bool:

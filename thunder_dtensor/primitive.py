@@ -89,12 +89,14 @@ def define_dtensor_prim(
     *,
     meta: Callable | None = None,
     execute: Callable | None = None,
+    differentiable: bool = True,
 ) -> ti.Symbol:
     """Create ``dtensor_<name>_prim`` and register its execution on the dtensor executor.
 
     ``torch_fn`` is the torch operation on DTensors; by default it is both the meta's fake run and the
     runtime implementation. ``meta`` and ``execute`` override them where the two differ (a prim that
-    takes thunder dtypes, say).
+    takes thunder dtypes, say). A differentiable prim starts with the generic grad rule (see
+    :func:`run_vjp`); ``define_vjp`` replaces it with a dedicated one.
     """
     prim_name = f"dtensor_{name}_prim"
     runtime_fn = execute or torch_fn
@@ -109,7 +111,62 @@ def define_dtensor_prim(
     op = dtensor_ex.register_operator(prim_name, like=prim, fn=runtime_fn)
     dtensor_ex.register_implementation(prim, op, checker=_always)
     DTENSOR_PRIMS[prim_name] = prim
+    if differentiable:
+        _register_generic_vjp(prim, name, runtime_fn)
     return prim
+
+
+def _is_differentiable(x: Any) -> bool:
+    return isinstance(x, ti.TensorProxy) and x.requires_grad and ti.dtypes.is_inexact_dtype(x.dtype)
+
+
+def _cotangent_or_none(out: Any) -> Any:
+    if isinstance(out, ti.TensorProxy) and ti.dtypes.is_inexact_dtype(out.dtype):
+        return ti.get_grad(out)
+    return None
+
+
+def run_vjp(torch_fn: Callable, args: tuple, kwargs: dict, cotangents: tuple, diff_indices: tuple) -> tuple:
+    """Gradients of ``torch_fn(*args, **kwargs)`` w.r.t. the flat inputs at ``diff_indices``.
+
+    Runs torch autograd on DTensors: on fake DTensors at trace time (the gradients' specs), on the runtime
+    DTensors in the backward. The gradients are eager DTensor's, placements included, because they are
+    computed by eager DTensor's own backward. The forward is recomputed: the price of generality.
+    """
+    flat, spec = ti.torch_tree_flatten((args, kwargs))
+    with torch.enable_grad():
+        leaves = {i: flat[i].detach().requires_grad_() for i in diff_indices}
+        fargs, fkwargs = ti.torch_tree_unflatten([leaves.get(i, x) for i, x in enumerate(flat)], spec)
+        outs = [o for o in ti.torch_tree_flatten(torch_fn(*fargs, **fkwargs))[0] if isinstance(o, torch.Tensor)]
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
+    if not pairs:
+        return tuple(None for _ in diff_indices)
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs], [leaves[i] for i in diff_indices], [c for _, c in pairs], allow_unused=True
+    )
+    return tuple(grads)
+
+
+def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> None:
+    vjp_prim = define_dtensor_prim(f"{name}_vjp", functools.partial(run_vjp, runtime_fn), differentiable=False)
+
+    def grad_rule(*args: Any, **kwargs: Any) -> Any:
+        out = prim(*args, **kwargs)
+        flat_inputs, _ = ti.tree_flatten((args, kwargs))
+        diff_indices = tuple(i for i, x in enumerate(flat_inputs) if _is_differentiable(x))
+        if not diff_indices:
+            return out
+        outs = [o for o in ti.tree_flatten(out)[0] if isinstance(o, ti.TensorProxy)]
+        cotangents = tuple(_cotangent_or_none(o) for o in outs)
+        if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
+            return out
+        grads = vjp_prim(args, kwargs, cotangents, diff_indices)
+        for i, grad in zip(diff_indices, grads):
+            if grad is not None:
+                ti.put_grad(flat_inputs[i], grad)
+        return out
+
+    ti.register_grad(prim, grad_rule)
 
 
 def define_vjp(prim: ti.Symbol) -> Callable[[Callable], Callable]:
@@ -117,13 +174,13 @@ def define_vjp(prim: ti.Symbol) -> Callable[[Callable], Callable]:
 
     ``grads`` holds one entry per positional argument (None where there is no gradient). The rule is
     written with dtensor prims, so gradients get the placements DTensor's propagation gives them, as in
-    eager DTensor's backward.
+    eager DTensor's backward. For several outputs, ``g`` is the tuple of their cotangents.
     """
 
     def register(vjp: Callable) -> Callable:
         def grad_rule(*args: Any, **kwargs: Any) -> Any:
             out = prim(*args, **kwargs)
-            g = ti.get_grad(out)
+            g = ti.tree_map(_cotangent_or_none, out) if isinstance(out, (tuple, list)) else ti.get_grad(out)
             grads = vjp(g, out, *args, **kwargs)
             for arg, grad in zip(args, grads):
                 if isinstance(arg, ti.TensorProxy) and grad is not None:

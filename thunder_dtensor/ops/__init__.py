@@ -1,3 +1,3 @@
 """dtensor ops by family; importing a family module registers its prims, grads and dispatch entries."""
 
-from thunder_dtensor.ops import pointwise  # noqa: F401
+from thunder_dtensor.ops import factories, pointwise  # noqa: F401

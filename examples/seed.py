@@ -5,13 +5,12 @@ computation and backward traces; every rank checks the result against plain torc
 """
 
 import thunder_dtensor  # noqa: F401  (first: it makes thunder importable on torch >= 2.13)
+from thunder_dtensor.testing import device_type, init_distributed, mesh_1d
 
 import thunder
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
-
-from thunder_dtensor.testing import device_type, init_distributed, mesh_1d
 
 
 def fn(x, w):

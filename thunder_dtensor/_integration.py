@@ -136,6 +136,7 @@ def _refresh_constant_folding_inverse_map() -> None:
     inverse.clear()
     inverse.update({v: k for k, v in ltorch._torch_to_thunder_function_map.items()})
 
+
 # ---------------------------------------------------------------------------------------------------------
 # thunder internals used by the package (re-exported so other modules never reach into thunder directly)
 # ---------------------------------------------------------------------------------------------------------
@@ -236,9 +237,7 @@ def make_fake_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = Fals
 def dtensor_from_local_unchecked(local: torch.Tensor, spec: Any) -> Any:
     """A DTensor of ``spec`` around ``local``, without communication (shape and stride from the spec)."""
     meta = spec.tensor_meta
-    return DTensor.from_local(
-        local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
-    )
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride)
 
 
 def fake_tensor_mode() -> Any:

@@ -12,13 +12,13 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.spec import DTensorMeta
+
+import torch
 
 __all__ = [
     "define_dtensor_prim",
@@ -47,7 +47,9 @@ def _to_fake(x: Any) -> Any:
     if isinstance(x, DTensorProxy):
         return x.meta.fake_dtensor(ti.devices.to_torch_device(x.device), requires_grad=False)
     if isinstance(x, ti.TensorProxy):
-        return torch.empty(x.shape, dtype=ti.dtypes.to_torch_dtype(x.dtype), device=ti.devices.to_torch_device(x.device))
+        return torch.empty(
+            x.shape, dtype=ti.dtypes.to_torch_dtype(x.dtype), device=ti.devices.to_torch_device(x.device)
+        )
     return to_torch_value(x)
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.spec import DTensorMeta
+
+import torch
 
 __all__ = ["DTensorProxy", "is_dtensor_proxy", "proxify_dtensor"]
 
@@ -59,7 +59,7 @@ class DTensorProxy(ti.TensorProxy):
         for key in ("shape", "dtype", "device"):
             ti.check(
                 key not in changes or changes[key] == getattr(self, f"_{key}"),
-                lambda: f"DTensorProxy.replace cannot change {key}: the DTensor spec would no longer match",
+                lambda key=key: f"DTensorProxy.replace cannot change {key}: the DTensor spec would no longer match",
             )
         like = changes.get("like")
         meta = like.meta if isinstance(like, DTensorProxy) else self.meta

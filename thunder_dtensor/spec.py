@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from thunder_dtensor import _integration as ti
+
+import torch
 
 __all__ = ["DTensorMeta"]
 

@@ -2,10 +2,10 @@
 
 import os
 
-import pytest
-
 import thunder_dtensor  # noqa: F401  (before thunder: makes thunder importable on torch >= 2.13)
 from thunder_dtensor.testing import init_distributed, world_size
+
+import pytest
 
 
 def pytest_configure(config):

@@ -1,10 +1,10 @@
 """Backward: values and placements equal eager DTensor's, including the cases thunder's own path fails."""
 
+from thunder_dtensor.testing import DTensorCase, make_full, run_case
+
 import pytest
 import thunder
 from torch.distributed.tensor import Partial, Replicate, Shard
-
-from thunder_dtensor.testing import DTensorCase, make_full, run_case
 
 
 def used_several_times(x, w):

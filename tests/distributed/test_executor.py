@@ -1,13 +1,13 @@
 """Only thunder_dtensor's executor runs dtensor prims, whatever executors the user passes."""
 
+from thunder_dtensor import DTensorProxy, dtensor_ex
+from thunder_dtensor.primitive import DTENSOR_PRIMS
+from thunder_dtensor.testing import make_full, mesh_1d
+
 import pytest
 import thunder
 from thunder.extend import get_executor
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-from thunder_dtensor import DTensorProxy, dtensor_ex
-from thunder_dtensor.primitive import DTENSOR_PRIMS
-from thunder_dtensor.testing import make_full, mesh_1d
 
 
 def _available_executors():

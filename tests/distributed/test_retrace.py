@@ -1,11 +1,11 @@
 """A spec change between calls retraces; the same spec hits the cache."""
 
+from thunder_dtensor.testing import make_full, mesh_1d, mesh_2d
+
 import pytest
 import thunder
 import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-from thunder_dtensor.testing import make_full, mesh_1d, mesh_2d
 
 
 def fn(x, w):

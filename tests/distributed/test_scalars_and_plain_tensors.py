@@ -1,12 +1,12 @@
 """DTensors with Python scalars, and with plain torch.Tensors, behave as in eager DTensor."""
 
+from thunder_dtensor import DTensorOpError
+from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, run_case
+
 import pytest
 import thunder
 import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-from thunder_dtensor import DTensorOpError
-from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, run_case
 
 SCALAR_FNS = {
     "mul": lambda x: x * 2.5,

@@ -1,12 +1,12 @@
 """The seed program: x * w on a 1-D mesh, Shard(0), 16x16, forward, backward and traces."""
 
+from thunder_dtensor import DTensorProxy
+from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, run_case
+
 import pytest
 import thunder
 import torch
 from torch.distributed.tensor import Shard, distribute_tensor
-
-from thunder_dtensor import DTensorProxy
-from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, run_case
 
 
 def mul(x, w):

@@ -4,12 +4,12 @@ import subprocess
 import sys
 
 import thunder_dtensor  # noqa: F401  (first: makes thunder importable on torch >= 2.13)
+from thunder_dtensor import _integration
+
 import thunder
 import torch
 from thunder.core.symbol import Symbol
 from thunder.transforms import ConstantFolding
-
-from thunder_dtensor import _integration
 
 
 def test_named_tensor_shims_do_not_leak():
@@ -73,9 +73,9 @@ def test_import_without_torch_distributed():
 
 def test_constant_folding_inverse_map_keeps_thunder_symbols():
     """ConstantFolding inverts the torch-to-thunder map: it must hold thunder's symbols, not our dispatchers."""
-    from thunder.transforms import constant_folding
-
     from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
+
+    from thunder.transforms import constant_folding
 
     inverse = constant_folding._thunder_to_torch_function_map
     assert not any(isinstance(k, DTensorDispatcher) for k in inverse)
@@ -94,3 +94,12 @@ def test_thunder_experimental_dtensor_registrations_are_replaced():
         for fn in table.values():
             assert not getattr(fn, "__qualname__", "").startswith("dispatch_to_impl."), fn
             assert not str(getattr(fn, "id", "")).startswith("dtensor."), fn
+
+
+def test_thunder_alone_does_not_import_on_this_torch():
+    """Why the package patches thunder's import: on torch >= 2.13 thunder 0.2.6 fails on its own."""
+    if _integration.TORCH_VERSION < "2.13" or _integration.THUNDER_VERSION > "0.2.6":
+        return
+    result = subprocess.run([sys.executable, "-c", "import thunder"], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "align_as" in result.stderr

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.spec import DTensorMeta
+
+import torch
 
 ltorch = ti.ltorch
 

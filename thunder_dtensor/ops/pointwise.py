@@ -13,12 +13,12 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor, register_method_for_dtensor
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_vjp
 from thunder_dtensor.proxy import DTensorProxy
+
+import torch
 
 ltorch = ti.ltorch
 
@@ -172,7 +172,9 @@ def _pow_vjp(g, out, a, b):
             grad_a = dtensor_mul_prim(g, dtensor_mul_prim(b, dtensor_pow_prim(a, exponent_minus_one)))
         else:
             b_val = ti.pyval(b)
-            grad_a = dtensor_mul_prim(g, dtensor_mul_prim(dtensor_pow_prim(a, b_val - 1), b_val)) if b_val != 0 else None
+            grad_a = (
+                dtensor_mul_prim(g, dtensor_mul_prim(dtensor_pow_prim(a, b_val - 1), b_val)) if b_val != 0 else None
+            )
     if isinstance(b, ti.TensorProxy):
         log_a = dtensor_log_prim(a) if isinstance(a, ti.TensorProxy) else math.log(ti.pyval(a))
         grad_b = dtensor_mul_prim(g, dtensor_mul_prim(out, log_a))
@@ -252,9 +254,7 @@ _unary_vjp(
     dtensor_rsqrt_prim,
     lambda g, out, a: dtensor_mul_prim(g, dtensor_mul_prim(dtensor_pow_prim(out, 3), -0.5)),
 )
-_unary_vjp(
-    dtensor_reciprocal_prim, lambda g, out, a: dtensor_neg_prim(dtensor_mul_prim(g, dtensor_mul_prim(out, out)))
-)
+_unary_vjp(dtensor_reciprocal_prim, lambda g, out, a: dtensor_neg_prim(dtensor_mul_prim(g, dtensor_mul_prim(out, out))))
 _unary_vjp(
     dtensor_tanh_prim,
     lambda g, out, a: dtensor_mul_prim(g, dtensor_sub_prim(1, dtensor_mul_prim(out, out))),
@@ -277,7 +277,9 @@ _unary_vjp(dtensor_relu_prim, lambda g, out, a: dtensor_where_prim(dtensor_gt_pr
 def _silu_grad(g, out, a):
     sig = dtensor_sigmoid_prim(a)
     # d/da a*s(a) = s(a) * (1 + a * (1 - s(a)))
-    return dtensor_mul_prim(g, dtensor_mul_prim(sig, dtensor_add_prim(dtensor_mul_prim(a, dtensor_sub_prim(1, sig)), 1)))
+    return dtensor_mul_prim(
+        g, dtensor_mul_prim(sig, dtensor_add_prim(dtensor_mul_prim(a, dtensor_sub_prim(1, sig)), 1))
+    )
 
 
 _unary_vjp(dtensor_silu_prim, _silu_grad)
@@ -354,7 +356,10 @@ def _where_operands(cond, a, b):
     a, b = prepare_operands(a, b)
     dtensors = [x for x in (cond, a, b) if isinstance(x, DTensorProxy)]
     shape = tuple(torch.broadcast_shapes(*(tuple(x.shape) for x in dtensors)))
-    return [dtensor_expand_prim(x, shape) if isinstance(x, DTensorProxy) and tuple(x.shape) != shape else x for x in (cond, a, b)]
+    return [
+        dtensor_expand_prim(x, shape) if isinstance(x, DTensorProxy) and tuple(x.shape) != shape else x
+        for x in (cond, a, b)
+    ]
 
 
 @define_dtensor_symbol
@@ -362,9 +367,17 @@ def dtensor_clamp(a, min=None, max=None):
     ti.check(min is not None or max is not None, lambda: "torch.clamp on a DTensor: give min, max or both")
     out = a
     if min is not None:
-        out = dtensor_maximum_prim(*prepare_operands(out, min)) if isinstance(min, ti.TensorProxy) else _clamp_scalar(out, min, dtensor_lt_prim)
+        out = (
+            dtensor_maximum_prim(*prepare_operands(out, min))
+            if isinstance(min, ti.TensorProxy)
+            else _clamp_scalar(out, min, dtensor_lt_prim)
+        )
     if max is not None:
-        out = dtensor_minimum_prim(*prepare_operands(out, max)) if isinstance(max, ti.TensorProxy) else _clamp_scalar(out, max, dtensor_gt_prim)
+        out = (
+            dtensor_minimum_prim(*prepare_operands(out, max))
+            if isinstance(max, ti.TensorProxy)
+            else _clamp_scalar(out, max, dtensor_gt_prim)
+        )
     return out
 
 
@@ -411,7 +424,7 @@ def _to(a, *args, **kwargs):
         elif isinstance(x, ti.TensorProxy):
             dtype = x.dtype
         else:
-            ti.check(False, lambda: f"Tensor.to on a DTensor: only dtype conversion is supported, got {x!r}")
+            ti.check(False, lambda x=x: f"Tensor.to on a DTensor: only dtype conversion is supported, got {x!r}")
     return a if dtype is None else dtensor_to_dtype(a, dtype)
 
 
@@ -467,7 +480,9 @@ def _register() -> None:
     register_function_for_dtensor(torch.nn.functional.silu, ltorch.silu, silu)
     register_function_for_dtensor(torch.nn.functional.relu, ltorch.relu, _unary(dtensor_relu_prim, "relu_functional"))
     register_function_for_dtensor(torch.nn.functional.gelu, ltorch.gelu, dtensor_gelu)
-    register_function_for_dtensor(torch.nn.functional.sigmoid, ltorch.sigmoid, _unary(dtensor_sigmoid_prim, "sigmoid_f"))
+    register_function_for_dtensor(
+        torch.nn.functional.sigmoid, ltorch.sigmoid, _unary(dtensor_sigmoid_prim, "sigmoid_f")
+    )
     register_function_for_dtensor(torch.nn.functional.tanh, ltorch.tanh, _unary(dtensor_tanh_prim, "tanh_f"))
     # operator methods that have no torch-namespace twin
     register_method_for_dtensor("to", dtensor_to)

@@ -63,7 +63,9 @@ def mesh_2d(rows: int = 2) -> Any:
     return init_device_mesh(device_type(), (rows, world_size() // rows), mesh_dim_names=("dp", "tp"))
 
 
-def make_full(shape: Sequence[int], *, seed: int, dtype: torch.dtype = torch.float32, low: float = -1.0) -> torch.Tensor:
+def make_full(
+    shape: Sequence[int], *, seed: int, dtype: torch.dtype = torch.float32, low: float = -1.0
+) -> torch.Tensor:
     """The same full tensor on every rank (seeded), on this rank's device."""
     g = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
@@ -106,7 +108,9 @@ def _as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def run_case(case: DTensorCase, *, backward: bool = True, compare_eager: bool = True, rtol=None, atol=None) -> CaseResult:
+def run_case(
+    case: DTensorCase, *, backward: bool = True, compare_eager: bool = True, rtol=None, atol=None
+) -> CaseResult:
     """Run ``case.fn`` under thunder.jit on DTensors and check it.
 
     Checks, on every rank: outputs and input gradients equal plain torch on the full tensors; and, when
@@ -121,7 +125,11 @@ def run_case(case: DTensorCase, *, backward: bool = True, compare_eager: bool = 
     def fresh_inputs(distributed: bool) -> list:
         out = []
         for t, placements, rg in zip(case.full_inputs, case.placements, requires_grad):
-            x = distribute_tensor(t.detach().clone(), mesh, list(placements)) if distributed and placements is not None else t.detach().clone()
+            x = (
+                distribute_tensor(t.detach().clone(), mesh, list(placements))
+                if distributed and placements is not None
+                else t.detach().clone()
+            )
             out.append(x.requires_grad_(rg and backward))
         return out
 

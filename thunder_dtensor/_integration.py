@@ -67,9 +67,12 @@ def _import_thunder() -> types.ModuleType:
         if placeholders:
             ops = default_ops.torch_auto_registered_ops[torch.Tensor]
             ops[:] = [fn for fn in ops if fn not in placeholders]
+            from thunder.torch.langctx import _method_name_to_fn_map
+
             for fn in placeholders:
                 _torch_to_thunder_function_map.pop(fn, None)
                 jit_ext._general_jit_lookaside_map.pop(fn, None)
+                _method_name_to_fn_map.pop(fn.__name__, None)
     return thunder
 
 
@@ -268,14 +271,38 @@ def register_torch_function(torch_fn: Callable, thunder_impl: Callable, *, metho
         register_method(method_name, thunder_impl)
 
 
+def register_method(method_name: str, thunder_impl: Callable) -> None:
+    """Put ``thunder_impl`` in thunder's Tensor-method table (``x.name(...)`` on proxies)."""
+    from thunder.core import jit_ext
+    from thunder.torch.langctx import register_method as thunder_register_method
+
+    thunder_register_method(method_name, thunder_impl)
+    jit_ext._general_jit_lookaside_map[thunder_impl] = jit_ext.ensure_recursive_proxies(
+        jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(thunder_impl))
+    )
+
+
 def torch_to_thunder_map() -> dict[Callable, Callable]:
     return ltorch._torch_to_thunder_function_map
 
 
-def thunder_method(name: str) -> Callable | None:
+def thunder_methods() -> dict[str, Callable]:
     from thunder.torch.langctx import _method_name_to_fn_map
 
-    return _method_name_to_fn_map.get(name)
+    return dict(_method_name_to_fn_map)
+
+
+def thunder_method(name: str) -> Callable | None:
+    return thunder_methods().get(name)
+
+
+def accept_dtensor_proxies(symbol: Symbol) -> Symbol:
+    """A copy of a thunder torch symbol without its "plain TensorProxy only" guard.
+
+    For metadata queries (``dim``, ``numel``) whose logic only reads the global shape and dtype.
+    """
+    unguarded = getattr(symbol.meta, "__wrapped__", symbol.meta)
+    return ltorch.torchsymbol(id=f"thunder_dtensor.{symbol.name}", allow_tensor_subclass_proxy=True)(unguarded)
 
 
 class _ZerosBinder:

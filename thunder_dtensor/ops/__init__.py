@@ -1,3 +1,11 @@
-"""dtensor ops by family; importing a family module registers its prims, grads and dispatch entries."""
+"""dtensor ops by family; importing a family module registers its prims, grads and dispatch entries.
 
-from thunder_dtensor.ops import factories, pointwise  # noqa: F401
+The generic fallback comes last: it wraps whatever thunder knows that no family claimed.
+"""
+
+from thunder_dtensor.ops import factories, pointwise
+from thunder_dtensor.ops.fallback import register_fallbacks
+
+register_fallbacks()
+
+__all__ = ["factories", "pointwise"]

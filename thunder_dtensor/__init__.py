@@ -31,6 +31,7 @@ if DISTRIBUTED_AVAILABLE:
         cotangent_add=ops.pointwise.accumulate_cotangents,
         bind_dtensor_zeros=ops.factories.bind_zero_cotangent,
     )
+    _integration.set_cotangent_proxy_factory(guards.make_cotangent_proxy)
 
     __all__ += [
         "DTENSOR_PRIMS",

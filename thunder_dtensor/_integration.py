@@ -163,6 +163,7 @@ _refresh_constant_folding_inverse_map()
 __all__ = [
     "AnyProxy",
     "BoundSymbol",
+    "DataDependentOutputException",
     "DISTRIBUTED_AVAILABLE",
     "Languages",
     "NumberProxy",
@@ -199,6 +200,8 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------
 # torch internals
 # ---------------------------------------------------------------------------------------------------------
+from torch._subclasses.fake_tensor import DataDependentOutputException  # noqa: E402
+
 if DISTRIBUTED_AVAILABLE:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DeviceMesh, DTensor
@@ -241,6 +244,19 @@ def dtensor_from_local_unchecked(local: torch.Tensor, spec: Any) -> Any:
     """A DTensor of ``spec`` around ``local``, without communication (shape and stride from the spec)."""
     meta = spec.tensor_meta
     return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride)
+
+
+def local_offset(dtensor: Any) -> tuple[int, ...]:
+    """Where this rank's shard starts in the global tensor, per dim."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    spec = dtensor_spec(dtensor)
+    return tuple(compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)[1])
+
+
+def clear_sharding_propagation_cache() -> None:
+    """Drop DTensor's cached sharding decisions (some carry state, e.g. eager's MaskPartial mask buffers)."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def fake_tensor_mode() -> Any:
@@ -361,6 +377,25 @@ def install_thunder_hooks(
     # autodiff imports this at call time.
     thunder_dtensor_utils.check_dtensor_cotangent_metadata_in_backward = backward_cotangent_check
     autodiff.ltorch = _AutodiffTorchNamespace(cotangent_add, bind_dtensor_zeros)
+
+
+def set_cotangent_proxy_factory(make_cotangent: Callable) -> None:
+    """Make ``prims.get_grad`` (the cotangent of a value) build DTensor cotangents with ``make_cotangent``.
+
+    thunder's meta copies the value's proxy type and metadata; a Partial DTensor's cotangent, though, arrives
+    as a full value. ``make_cotangent(a)`` returns the proxy to use, or None for thunder's default.
+    """
+    default_meta = prims.get_grad.meta
+
+    def get_grad_meta(a: Any, /) -> Any:
+        cotangent = make_cotangent(a)
+        return default_meta(a) if cotangent is None else cotangent
+
+    object.__setattr__(prims.get_grad, "meta", get_grad_meta)
+
+
+def make_spec(mesh: Any, placements: tuple, tensor_meta: Any) -> Any:
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta)
 
 
 def is_unpack_cotangents(bsym: BoundSymbol) -> bool:

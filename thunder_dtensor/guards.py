@@ -100,7 +100,17 @@ def _cotangent_impl(ct: Any, spec: Any) -> Any:
     if ti.dtensor_spec(ct) == spec:
         return ct
     # Same global value, other placements: move it to the placements the backward was traced for.
-    return ct.redistribute(spec.mesh, spec.placements)
+    # DTensor does not redistribute to Partial publicly; Replicate -> Partial is local arithmetic: a sum
+    # over n equal shares of v/n is v (avg, max and min of equal values are the value itself).
+    staged = tuple(ti.Replicate() if p.is_partial() else p for p in spec.placements)
+    ct = ct.redistribute(spec.mesh, staged) if tuple(ct.placements) != staged else ct
+    if staged == tuple(spec.placements):
+        return ct
+    local = ct.to_local()
+    for mesh_dim, p in enumerate(spec.placements):
+        if p.is_partial() and p.reduce_op == "sum":
+            local = local / spec.mesh.size(mesh_dim)
+    return ti.dtensor_from_local_unchecked(local, spec)
 
 
 dtensor_cotangent_to_spec_prim = ti.make_prim(
@@ -132,3 +142,10 @@ def match_cotangent_specs(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
                 swap[ti.variableify(ct)] = matched
     new_trace.bound_symbols = bsyms
     return new_trace
+
+
+def make_cotangent_proxy(a: Any) -> DTensorProxy | None:
+    """The cotangent proxy of a DTensor value (None for other values: thunder's default applies)."""
+    if not isinstance(a, DTensorProxy):
+        return None
+    return DTensorProxy(meta=a.meta.as_cotangent(), device=a.device, requires_grad=a.requires_grad)

@@ -53,6 +53,18 @@ def _to_fake(x: Any) -> Any:
     return to_torch_value(x)
 
 
+def _to_zeros(x: Any) -> Any:
+    """A real zero-filled stand-in (for sharding rules that look at data, see propagate_on_fake_dtensors)."""
+    if isinstance(x, DTensorProxy):
+        device = ti.devices.to_torch_device(x.device)
+        local = torch.zeros(x.local_shape, dtype=x.meta.dtype, device=device)
+        return ti.dtensor_from_local_unchecked(local, x.meta.spec)
+    if isinstance(x, ti.TensorProxy):
+        dtype, device = ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
+        return torch.zeros(x.shape, dtype=dtype, device=device)
+    return to_torch_value(x)
+
+
 def _to_proxy(x: Any, requires_grad: bool) -> Any:
     if ti.DISTRIBUTED_AVAILABLE and isinstance(x, ti.DTensor):
         local = ti.local_tensor(x)
@@ -72,12 +84,20 @@ def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kw
     """Run ``torch_fn`` on fake DTensors shaped like the proxies; return proxies for its outputs."""
     flat, _ = ti.tree_flatten((args, kwargs))
     requires_grad = any(isinstance(a, ti.TensorProxy) and a.requires_grad for a in flat)
-    with ti.fake_tensor_mode():
-        fake_args, fake_kwargs = ti.tree_map(_to_fake, (args, kwargs))
-        try:
+    try:
+        with ti.fake_tensor_mode():
+            fake_args, fake_kwargs = ti.tree_map(_to_fake, (args, kwargs))
             out = torch_fn(*fake_args, **fake_kwargs)
-        except Exception as e:  # DTensor's own rejection, reported with our context
+    except ti.DataDependentOutputException:
+        # A few sharding rules read data (vocab-sharded embedding masks ids): run those on real zeros.
+        # Every rank traces the same program, so any collective this runs is matched on all ranks.
+        try:
+            zero_args, zero_kwargs = ti.tree_map(_to_zeros, (args, kwargs))
+            out = torch_fn(*zero_args, **zero_kwargs)
+        except Exception as e:
             raise DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}") from e
+    except Exception as e:  # DTensor's own rejection, reported with our context
+        raise DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}") from e
     return ti.tree_map(lambda o: _to_proxy(o, requires_grad), out)
 
 
@@ -101,6 +121,7 @@ def define_dtensor_prim(
     :func:`run_vjp`); ``define_vjp`` replaces it with a dedicated one.
     """
     prim_name = f"dtensor_{name}_prim"
+    ti.check(prim_name not in DTENSOR_PRIMS, lambda: f"{prim_name} is already defined")
     runtime_fn = execute or torch_fn
 
     def _meta(*args: Any, **kwargs: Any) -> Any:
@@ -115,6 +136,8 @@ def define_dtensor_prim(
     DTENSOR_PRIMS[prim_name] = prim
     if differentiable:
         _register_generic_vjp(prim, name, runtime_fn)
+    else:  # no gradient flows through it (factories, guards, vjps)
+        ti.register_grad(prim, prim)
     return prim
 
 

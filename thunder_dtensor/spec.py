@@ -55,6 +55,16 @@ class DTensorMeta:
         """The string the prologue compares with the runtime spec: mesh, placements, shape, stride, dtype."""
         return repr(self.spec)
 
+    def as_cotangent(self) -> DTensorMeta:
+        """The spec of this value's cotangent: a Partial value's cotangent is a full (Replicate) value.
+
+        This matches eager DTensor, whose gradients of Partial values are Replicate.
+        """
+        if not any(p.is_partial() for p in self.placements):
+            return self
+        placements = tuple(ti.Replicate() if p.is_partial() else p for p in self.placements)
+        return DTensorMeta(ti.make_spec(self.mesh, placements, self.spec.tensor_meta), self.local_shape)
+
     def fake_dtensor(self, device: torch.device, requires_grad: bool = False) -> Any:
         """A DTensor with this spec around an empty local tensor; call under a fake tensor mode."""
         local = torch.empty(self.local_shape, dtype=self.dtype, device=device)

@@ -3,9 +3,9 @@
 The generic fallback comes last: it wraps whatever thunder knows that no family claimed.
 """
 
-from thunder_dtensor.ops import factories, pointwise
+from thunder_dtensor.ops import attention, dropout, embedding, factories, pointwise, redistribute
 from thunder_dtensor.ops.fallback import register_fallbacks
 
 register_fallbacks()
 
-__all__ = ["factories", "pointwise"]
+__all__ = ["attention", "dropout", "embedding", "factories", "pointwise", "redistribute"]

@@ -15,11 +15,11 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
-from thunder_dtensor.primitive import define_dtensor_prim
+from thunder_dtensor.primitive import DTENSOR_PRIMS, define_dtensor_prim
+
+import torch
 
 __all__ = ["fallback_prim", "register_fallbacks", "FALLBACK_PRIMS"]
 
@@ -27,7 +27,12 @@ __all__ = ["fallback_prim", "register_fallbacks", "FALLBACK_PRIMS"]
 FALLBACK_PRIMS: dict[Callable, ti.Symbol] = {}
 
 _METADATA_METHODS = ("dim", "ndimension", "numel", "nelement", "is_floating_point", "is_complex", "element_size")
-_NAMESPACE_PREFIXES = {torch: "", torch.Tensor: "", torch.nn.functional: "functional_", torch.special: "special_"}
+_NAMESPACE_PREFIXES = {
+    torch: "",
+    torch.Tensor: "method_",
+    torch.nn.functional: "functional_",
+    torch.special: "special_",
+}
 
 
 def _fallback_name(torch_fn: Callable) -> str:
@@ -43,9 +48,8 @@ def fallback_prim(torch_fn: Callable) -> ti.Symbol:
     prim = FALLBACK_PRIMS.get(torch_fn)
     if prim is None:
         name = _fallback_name(torch_fn)
-        taken = {p.name for p in FALLBACK_PRIMS.values()}
         base, suffix = name, 2
-        while f"dtensor_{name}_prim" in taken:
+        while f"dtensor_{name}_prim" in DTENSOR_PRIMS:
             name, suffix = f"{base}_{suffix}", suffix + 1
         prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(name, torch_fn)
     return prim
@@ -67,9 +71,10 @@ def _is_in_place(name: str) -> bool:
 
 
 def _torch_callable_for_method(name: str) -> Callable | None:
+    # the Tensor method itself: its signature can differ from torch.<name> (x.reshape(2, 3), x.view(-1))
     if name == "getitem":
         return operator.getitem
-    return getattr(torch, name, None) or getattr(torch.Tensor, name, None)
+    return getattr(torch.Tensor, name, None)
 
 
 def register_fallbacks() -> int:
@@ -94,7 +99,7 @@ def register_fallbacks() -> int:
         torch_fn = _torch_callable_for_method(method_name)
         if torch_fn is None:
             continue
-        existing = DISPATCH_TABLE.get(torch_fn) or DISPATCH_TABLE.get(getattr(torch.Tensor, method_name, None))
+        existing = DISPATCH_TABLE.get(torch_fn)
         if existing is not None:
             dispatcher = DTensorDispatcher(single, existing.dtensor_symbol)
         elif method_name in _METADATA_METHODS and isinstance(single, ti.Symbol):
@@ -104,4 +109,3 @@ def register_fallbacks() -> int:
         ti.register_method(method_name, dispatcher)
         count += 1
     return count
-

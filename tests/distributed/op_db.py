@@ -1,0 +1,203 @@
+"""The op database for the multi-rank op tests: adding an op to the tests is one entry here.
+
+Each entry gives a function on tensors, its inputs' shapes, and which placements to sweep. The test
+(`test_ops.py`) distributes the same full inputs with each placement combination, runs the function under
+thunder.jit, and compares values and gradients with plain torch on the full tensors, and placements with
+eager DTensor where eager can run the case.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+
+@dataclass
+class OpEntry:
+    name: str
+    fn: Callable
+    shapes: Sequence[tuple]
+    #: per input: "all" (every Shard dim + Replicate), "replicate", or an explicit list of placements
+    sweep: Sequence = ("all",)
+    dtypes: Sequence[torch.dtype] | None = None
+    grad: Sequence[bool] | bool = True
+    #: eager DTensor can run this op on these placements (compare placements with it)
+    eager: bool = True
+    #: also try a Partial(sum) first input
+    partial: bool = False
+    low: float = -1.0
+    #: integer inputs are drawn from [0, int_high)
+    int_high: int = 5
+    #: sweep all inputs together over the first input's choices (q, k, v of attention)
+    together: int = 0
+    kwargs: dict = field(default_factory=dict)
+    rtol: float | None = None
+    atol: float | None = None
+
+    def placement_choices(self, i: int, ndim: int) -> list:
+        spec = self.sweep[i] if i < len(self.sweep) else "replicate"
+        if spec == "all":
+            return [[Shard(d)] for d in range(ndim)] + [[Replicate()]]
+        if spec == "replicate":
+            return [[Replicate()]]
+        return [list(p) for p in spec]
+
+    def cases(self) -> list[tuple]:
+        """Sweep one input at a time over its choices (others Replicate), plus all inputs on their first choice."""
+        choices = [self.placement_choices(i, len(s)) for i, s in enumerate(self.shapes)]
+        if self.together:
+            rest = tuple([Replicate()] for _ in self.shapes[self.together :])
+            return [tuple(option for _ in range(self.together)) + rest for option in choices[0]]
+        combos = {tuple(str(c[0]) for c in choices): tuple(c[0] for c in choices)}
+        for i, options in enumerate(choices):
+            for option in options:
+                combo = tuple(option if j == i else [Replicate()] for j in range(len(choices)))
+                combos.setdefault(tuple(map(str, combo)), combo)
+        if self.partial:
+            combo = ([Partial()],) + tuple([Replicate()] for _ in choices[1:])
+            combos.setdefault(tuple(map(str, combo)), combo)
+        return list(combos.values())
+
+
+def _causal_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _masked_sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+HEADS = [[Shard(0)], [Shard(1)], [Replicate()]]  # batch, heads, replicated
+B, H, S, D = 2, 4, 6, 8
+
+OP_DB: list[OpEntry] = [
+    # --- pointwise --------------------------------------------------------------------------------
+    OpEntry("add", torch.add, [(6, 8), (6, 8)], partial=True),
+    OpEntry("sub", torch.sub, [(6, 8), (8,)]),
+    OpEntry("mul", torch.mul, [(6, 8), (6, 8)], partial=True),
+    OpEntry("div", torch.div, [(6, 8), (6, 8)], low=0.5),
+    OpEntry("pow", lambda x: torch.pow(x, 3), [(6, 8)]),
+    OpEntry("pow_tensor", torch.pow, [(6, 8), (6, 8)], low=0.5),
+    OpEntry("neg", torch.neg, [(6, 8)], partial=True),
+    OpEntry("abs", torch.abs, [(6, 8)]),
+    OpEntry("exp", torch.exp, [(6, 8)]),
+    OpEntry("log", torch.log, [(6, 8)], low=0.5),
+    OpEntry("sqrt", torch.sqrt, [(6, 8)], low=0.5),
+    OpEntry("rsqrt", torch.rsqrt, [(6, 8)], low=0.5),
+    OpEntry("tanh", torch.tanh, [(6, 8)]),
+    OpEntry("sigmoid", torch.sigmoid, [(6, 8)]),
+    OpEntry("erf", torch.erf, [(6, 8)]),
+    OpEntry("clamp", lambda x: torch.clamp(x, -0.5, 0.5), [(6, 8)]),
+    OpEntry("clamp_min", lambda x: x.clamp(min=0.1), [(6, 8)]),
+    OpEntry("where", lambda x, y: torch.where(x > 0, x, y), [(6, 8), (6, 8)]),
+    OpEntry("comparisons", lambda x, y: (x > y).float() + (x <= y).float() * 2 + (x == x).float(), [(6, 8), (6, 8)]),
+    OpEntry("relu", F.relu, [(6, 8)]),
+    OpEntry("gelu", F.gelu, [(6, 8)]),
+    OpEntry("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), [(6, 8)]),
+    OpEntry("silu", F.silu, [(6, 8)]),
+    OpEntry("to_dtype", lambda x: x.to(torch.float64) * 2, [(6, 8)]),
+    OpEntry("type_promotion", lambda x, y: x * y, [(6, 8), (6, 8)], dtypes=[torch.float32, torch.float64]),
+    OpEntry("broadcast", lambda x, b: x * b + b, [(4, 6, 8), (6, 1)]),
+    # --- reductions -------------------------------------------------------------------------------
+    OpEntry("sum", torch.sum, [(6, 8)], partial=True),
+    OpEntry("sum_dim", lambda x: x.sum(dim=1), [(6, 8)]),
+    OpEntry("sum_keepdim", lambda x: x.sum(dim=(0, 2), keepdim=True), [(4, 6, 8)]),
+    OpEntry("mean", lambda x: x.mean(dim=-1), [(6, 8)]),
+    OpEntry("mean_all", torch.mean, [(6, 8)]),
+    OpEntry("amax", lambda x: x.amax(dim=1, keepdim=True), [(6, 8)]),
+    OpEntry("var", lambda x: x.var(dim=1, keepdim=True), [(6, 8)]),
+    OpEntry("var_unbiased_false", lambda x: torch.var(x, dim=0, unbiased=False), [(6, 8)]),
+    # --- matmul -----------------------------------------------------------------------------------
+    OpEntry("matmul", torch.matmul, [(6, 8), (8, 4)], sweep=("all", "all")),
+    OpEntry("mm", torch.mm, [(6, 8), (8, 4)], sweep=("all", "all")),
+    OpEntry("bmm", torch.bmm, [(4, 6, 8), (4, 8, 2)], sweep=("all", "all")),
+    OpEntry("matmul_3d", torch.matmul, [(4, 6, 8), (8, 2)], sweep=("all", "all")),
+    OpEntry("linear", F.linear, [(6, 8), (4, 8)], sweep=("all", "all")),
+    OpEntry("linear_bias", F.linear, [(2, 6, 8), (4, 8), (4,)], sweep=("all", "all", "all")),
+    # --- views ------------------------------------------------------------------------------------
+    OpEntry("view", lambda x: x.view(6, 4, 2), [(6, 8)]),
+    OpEntry("reshape", lambda x: x.reshape(-1), [(6, 8)]),
+    OpEntry("transpose", lambda x: x.transpose(0, 1) * 2, [(6, 8)]),
+    OpEntry("t", lambda x: x.t() * 2, [(6, 8)]),
+    OpEntry("permute", lambda x: x.permute(2, 0, 1) * 2, [(4, 6, 8)]),
+    OpEntry("unsqueeze", lambda x: x.unsqueeze(1) * 2, [(6, 8)]),
+    OpEntry("squeeze", lambda x: x.squeeze(1) * 2, [(6, 1, 8)]),
+    OpEntry("flatten", lambda x: torch.flatten(x, 1) * 2, [(4, 6, 8)]),
+    OpEntry("expand", lambda x: x.expand(4, 6, 8) * 1, [(6, 8)]),
+    OpEntry("contiguous", lambda x: x.transpose(0, 1).contiguous() * 2, [(6, 8)]),
+    OpEntry("split", lambda x: [t * (i + 1) for i, t in enumerate(torch.split(x, [2, 6], dim=1))], [(6, 8)]),
+    OpEntry("chunk", lambda x: [t * (i + 1) for i, t in enumerate(x.chunk(2, dim=-1))], [(6, 8)]),
+    OpEntry("cat", lambda x, y: torch.cat([x, y], dim=1), [(6, 8), (6, 4)], sweep=("all", "all")),
+    OpEntry("stack", lambda x, y: torch.stack([x, y], dim=0), [(6, 8), (6, 8)]),
+    OpEntry("slice", lambda x: x[:, 1:5] * 2, [(6, 8)]),
+    OpEntry("select", lambda x: x[2] * 2, [(6, 8)]),
+    # --- softmax, norms, embedding, attention, losses ------------------------------------------------
+    OpEntry("softmax", lambda x: torch.softmax(x, dim=-1), [(6, 8)]),
+    OpEntry("log_softmax", lambda x: F.log_softmax(x, dim=1), [(6, 8)]),
+    OpEntry("layer_norm", lambda x, w, b: F.layer_norm(x, (8,), w, b), [(2, 6, 8), (8,), (8,)]),
+    OpEntry("rms_norm", lambda x, w: F.rms_norm(x, (8,), w), [(2, 6, 8), (8,)]),
+    OpEntry(
+        "embedding",
+        lambda idx, w: F.embedding(idx, w),
+        [(4, 6), (10, 8)],
+        dtypes=[torch.int64, torch.float32],
+        sweep=("all", [[Replicate()], [Shard(1)]]),
+        grad=[False, True],
+        int_high=10,
+    ),
+    # vocab-parallel: our output is Partial(sum) (eager: MaskPartial, equal as a placement) and the table's
+    # gradient keeps the table's Shard(0) (eager: a full Replicate gradient): values are compared
+    OpEntry(
+        "embedding_vocab_parallel",
+        lambda idx, w: F.embedding(idx, w),
+        [(4, 6), (10, 8)],
+        dtypes=[torch.int64, torch.float32],
+        sweep=("replicate", [[Shard(0)]]),
+        grad=[False, True],
+        int_high=10,
+        eager=False,
+    ),
+    OpEntry("sdpa_causal", _causal_sdpa, [(B, H, S, D)] * 3, sweep=(HEADS,), together=3, eager=False),
+    OpEntry("sdpa_mask", _masked_sdpa, [(B, H, S, D)] * 3 + [(S, S)], sweep=(HEADS,), together=3, eager=False),
+    OpEntry("dropout_eval", lambda x: F.dropout(x, p=0.3, training=False) * 2, [(6, 8)]),
+    OpEntry("dropout_p0", lambda x: F.dropout(x, p=0.0) * 2, [(6, 8)]),
+    OpEntry(
+        "cross_entropy",
+        lambda x, t: F.cross_entropy(x, t),
+        [(6, 10), (6,)],
+        dtypes=[torch.float32, torch.int64],
+        sweep=("all", "replicate"),
+        grad=[True, False],
+        int_high=10,
+    ),
+    OpEntry(
+        "nll_loss",
+        lambda x, t: F.nll_loss(F.log_softmax(x, -1), t),
+        [(6, 10), (6,)],
+        dtypes=[torch.float32, torch.int64],
+        sweep=("all", "replicate"),
+        grad=[True, False],
+        int_high=10,
+    ),
+    # --- factories --------------------------------------------------------------------------------
+    OpEntry("zeros_like", lambda x: x + torch.zeros_like(x), [(6, 8)]),
+    OpEntry("ones_like", lambda x: x * torch.ones_like(x), [(6, 8)]),
+    OpEntry("full_like", lambda x: x * torch.full_like(x, 3.0), [(6, 8)]),
+]
+
+
+def all_cases() -> list[tuple[OpEntry, tuple]]:
+    return [(entry, combo) for entry in OP_DB for combo in entry.cases()]
+
+
+def case_id(case: tuple[OpEntry, tuple]) -> str:
+    entry, combo = case
+    return entry.name + "-" + "-".join("".join(str(p) for p in c) for c in combo)
+
+
+__all__ = ["OP_DB", "OpEntry", "all_cases", "case_id", "itertools"]

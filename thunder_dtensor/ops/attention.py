@@ -1,0 +1,105 @@
+"""Attention family: scaled_dot_product_attention on DTensors.
+
+Attention is independent per batch element and per head. When q, k and v share their placements and
+shard only batch or head dims (what tensor-parallel attention produces), the fused kernel runs on the
+local shards and the output keeps those placements: no communication, and it works on CPU meshes, where
+eager DTensor has no sharding strategy for the fused CPU kernel. Any other layout is first gathered to
+Replicate (the redistribution is visible in the trace), then attended locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from thunder_dtensor import _integration as ti
+from thunder_dtensor.dispatch import register_function_for_dtensor
+from thunder_dtensor.ops.redistribute import dtensor_redistribute
+from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
+from thunder_dtensor.proxy import DTensorProxy
+
+import torch.nn.functional as F
+
+ltorch = ti.ltorch
+
+
+def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Fused SDPA on the local shards of batch/head-sharded DTensors; the output has q's spec."""
+    mask = attn_mask
+    if isinstance(attn_mask, ti.DTensor):
+        # a replicated mask is broadcast over q's sharded batch/head dims: its gradient sums over those shards
+        grad_placements = [
+            ti.Partial() if isinstance(qp, ti.Shard) and isinstance(mp, ti.Replicate) else mp
+            for qp, mp in zip(q.placements, attn_mask.placements)
+        ]
+        mask = attn_mask.to_local(grad_placements=grad_placements)
+    out = F.scaled_dot_product_attention(
+        q.to_local(),
+        k.to_local(),
+        v.to_local(),
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    spec = ti.dtensor_spec(q)
+    shape = tuple(q.shape[:-1]) + tuple(v.shape[-1:])
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return ti.DTensor.from_local(out, spec.mesh, spec.placements, run_check=False, shape=shape, stride=tuple(stride))
+
+
+dtensor_local_sdpa_prim = define_dtensor_prim("local_sdpa", _local_sdpa)
+
+
+def _shards_only_batch_or_heads(t: DTensorProxy) -> bool:
+    return all(isinstance(p, ti.Replicate) or (isinstance(p, ti.Shard) and p.dim < t.ndim - 2) for p in t.placements)
+
+
+def _mask_is_local(mask: Any, q: DTensorProxy) -> bool:
+    if mask is None:
+        return True
+    if not isinstance(mask, DTensorProxy):
+        return False
+    # a replicated mask broadcast over batch and heads is the same on every shard
+    if all(isinstance(p, ti.Replicate) for p in mask.placements):
+        return mask.ndim <= 2 or all(s == 1 for s in mask.shape[:-2])
+    return mask.placements == q.placements and tuple(mask.shape) == tuple(q.shape[:-1]) + (mask.shape[-1],)
+
+
+@define_dtensor_symbol
+def dtensor_scaled_dot_product_attention(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    local = (
+        all(isinstance(t, DTensorProxy) for t in (q, k, v))
+        and q.placements == k.placements == v.placements
+        and _shards_only_batch_or_heads(q)
+        and _mask_is_local(attn_mask, q)
+    )
+    if local:
+        return dtensor_local_sdpa_prim(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    # any other layout (a sharded sequence or head_dim, mixed placements): gather to Replicate, attend locally
+    replicated = [_replicate(t) for t in (q, k, v)]
+    mask = _replicate(attn_mask) if isinstance(attn_mask, DTensorProxy) else attn_mask
+    ti.check(
+        all(isinstance(t, DTensorProxy) for t in replicated),
+        lambda: "scaled_dot_product_attention: q, k and v must all be DTensors (as eager DTensor requires)",
+    )
+    return dtensor_local_sdpa_prim(
+        *replicated, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def _replicate(t: Any) -> Any:
+    if not isinstance(t, DTensorProxy) or all(isinstance(p, ti.Replicate) for p in t.placements):
+        return t
+    return dtensor_redistribute(t, None, [ti.Replicate()] * t.device_mesh.ndim)
+
+
+register_function_for_dtensor(
+    F.scaled_dot_product_attention, ltorch.scaled_dot_product_attention, dtensor_scaled_dot_product_attention
+)

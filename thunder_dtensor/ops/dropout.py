@@ -1,0 +1,45 @@
+"""Random family: dropout on DTensors.
+
+The mask is drawn once, in the forward, by DTensor's own random-op machinery (every shard gets its slice
+of one global random tensor, reproducible under ``torch.manual_seed``), and the backward reuses it; a
+recomputing gradient would draw a different mask.
+"""
+
+from __future__ import annotations
+
+from thunder_dtensor import _integration as ti
+from thunder_dtensor.dispatch import register_function_for_dtensor
+from thunder_dtensor.ops.pointwise import dtensor_convert_element_type_prim, dtensor_mul_prim
+from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_vjp
+
+import torch
+import torch.nn.functional as F
+
+
+def _native_dropout(a, p: float):
+    return torch.ops.aten.native_dropout(a, p, True)
+
+
+#: (output, keep-mask): output = a * mask / (1 - p)
+dtensor_native_dropout_prim = define_dtensor_prim("native_dropout", _native_dropout)
+
+
+@define_vjp(dtensor_native_dropout_prim)
+def _native_dropout_vjp(g, out, a, p):
+    g_out, _ = g
+    keep = dtensor_convert_element_type_prim(out[1], a.dtype)
+    return (dtensor_mul_prim(dtensor_mul_prim(g_out, keep), 1.0 / (1.0 - p)),)
+
+
+@define_dtensor_symbol
+def dtensor_dropout(a, p=0.5, training=True, inplace=False):
+    ti.check(0.0 <= p <= 1.0, lambda: f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return a
+    if p == 1.0:
+        return dtensor_mul_prim(a, 0.0)
+    out, _mask = dtensor_native_dropout_prim(a, p)
+    return out
+
+
+register_function_for_dtensor(F.dropout, ti.ltorch.dropout, dtensor_dropout)

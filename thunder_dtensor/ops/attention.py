@@ -17,6 +17,7 @@ from thunder_dtensor.ops.redistribute import dtensor_redistribute
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
 
+import torch
 import torch.nn.functional as F
 
 ltorch = ti.ltorch
@@ -32,22 +33,39 @@ def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
             for qp, mp in zip(q.placements, attn_mask.placements)
         ]
         mask = attn_mask.to_local(grad_placements=grad_placements)
-    out = F.scaled_dot_product_attention(
-        q.to_local(),
-        k.to_local(),
-        v.to_local(),
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
+    q_local, k_local, v_local = q.to_local(), k.to_local(), v.to_local()
+    if q_local.numel() == 0:
+        # An empty shard (more ranks than batch*heads): the fused kernels' backward leaves the mask's
+        # gradient undefined there; the definition gives the zero gradient every other rank agrees on.
+        out = _attention_by_definition(q_local, k_local, v_local, mask, is_causal, scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            q_local,
+            k_local,
+            v_local,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     spec = ti.dtensor_spec(q)
     shape = tuple(q.shape[:-1]) + tuple(v.shape[-1:])
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * shape[i + 1]
     return ti.DTensor.from_local(out, spec.mesh, spec.placements, run_check=False, shape=shape, stride=tuple(stride))
+
+
+def _attention_by_definition(q, k, v, mask, is_causal, scale):
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        scores = scores.masked_fill(
+            ~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(), float("-inf")
+        )
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return scores.softmax(-1) @ v
 
 
 dtensor_local_sdpa_prim = define_dtensor_prim("local_sdpa", _local_sdpa)

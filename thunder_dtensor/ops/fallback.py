@@ -77,12 +77,16 @@ def _torch_callable_for_method(name: str) -> Callable | None:
     return getattr(torch.Tensor, name, None)
 
 
+def _is_ours(fn: Any) -> bool:
+    return isinstance(fn, DTensorDispatcher) or str(getattr(fn, "id", "")).startswith("thunder_dtensor.")
+
+
 def register_fallbacks() -> int:
     """Wrap every unclaimed entry of thunder's tables; returns how many were wrapped."""
     count = 0
     for torch_fn, single in list(ti.torch_to_thunder_map().items()):
         name = getattr(torch_fn, "__name__", "")
-        if torch_fn in DISPATCH_TABLE or isinstance(single, DTensorDispatcher) or _is_in_place(name):
+        if torch_fn in DISPATCH_TABLE or _is_ours(single) or _is_in_place(name):
             continue
         if name in _METADATA_METHODS and isinstance(single, ti.Symbol):
             dtensor_symbol: Any = ti.accept_dtensor_proxies(single)
@@ -94,7 +98,7 @@ def register_fallbacks() -> int:
         count += 1
 
     for method_name, single in list(ti.thunder_methods().items()):
-        if isinstance(single, DTensorDispatcher) or _is_in_place(method_name):
+        if _is_ours(single) or _is_in_place(method_name):
             continue
         torch_fn = _torch_callable_for_method(method_name)
         if torch_fn is None:

@@ -41,10 +41,10 @@ All prims: {prims}
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default="docs/op_coverage.md")
-    parser.add_argument("--max-samples", type=int, default=3)
+    parser.add_argument("--max-samples", type=int, default=2)
     args = parser.parse_args()
     init_distributed(timeout_s=60)
-    results = sweep(MODEL_OPS, mesh_1d(), max_samples=args.max_samples)
+    results = sweep(MODEL_OPS, mesh_1d(), max_samples=args.max_samples, progress=dist.get_rank() == 0)
     if dist.get_rank() == 0:
         prims = ", ".join(f"`{name}`" for name in sorted(DTENSOR_PRIMS) if not name.endswith("_vjp_prim"))
         text = HEADER.format(prims=prims) + to_markdown(results, dist.get_world_size())

@@ -32,6 +32,7 @@ if DISTRIBUTED_AVAILABLE:
         bind_dtensor_zeros=ops.factories.bind_zero_cotangent,
     )
     _integration.set_cotangent_proxy_factory(guards.make_cotangent_proxy)
+    _integration.make_isinstance_see_dtensor_proxies(DTensorProxy)
 
     __all__ += [
         "DTENSOR_PRIMS",

@@ -398,6 +398,31 @@ def make_spec(mesh: Any, placements: tuple, tensor_meta: Any) -> Any:
     return DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta)
 
 
+def make_isinstance_see_dtensor_proxies(proxy_type: type) -> None:
+    """Inside jitted code, ``isinstance(x, DTensor)`` is True for a DTensor's proxy.
+
+    Tensor-parallel hooks branch on it (``if not isinstance(x, DTensor): x = DTensor.from_local(...)``);
+    thunder's own isinstance lookaside answers as for a plain tensor.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    thunder_isinstance = jit_ext._general_jit_lookaside_map[isinstance]
+
+    def dtensor_aware_isinstance(obj: Any, cls: Any) -> Any:
+        value, classes = interpreter.unwrap(obj), interpreter.unwrap(cls)
+        if isinstance(value, proxy_type):
+            classes = tuple(interpreter.unwrap(c) for c in classes) if isinstance(classes, tuple) else (classes,)
+            if any(isinstance(c, type) and issubclass(DTensor, c) for c in classes):
+                record = interpreter.ProvenanceRecord(
+                    interpreter.PseudoInst.LOOKASIDE,
+                    inputs=[interpreter.wrap_const(isinstance).provenance, obj.provenance, cls.provenance],
+                )
+                return interpreter.wrap(True, provenance=record)
+        return thunder_isinstance(obj, cls)
+
+    jit_ext._general_jit_lookaside_map[isinstance] = dtensor_aware_isinstance
+
+
 def is_unpack_cotangents(bsym: BoundSymbol) -> bool:
     """Whether ``bsym`` unpacks the backward's cotangent sequence (thunder 0.2.6 naming)."""
     return bsym.sym.id == prims.PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == "cotangents"

@@ -98,6 +98,8 @@ def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kw
             raise DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}") from e
     except Exception as e:  # DTensor's own rejection, reported with our context
         raise DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}") from e
+    if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
+        out = tuple(out)
     return ti.tree_map(lambda o: _to_proxy(o, requires_grad), out)
 
 
@@ -142,7 +144,9 @@ def define_dtensor_prim(
 
 
 def _is_differentiable(x: Any) -> bool:
-    return isinstance(x, ti.TensorProxy) and x.requires_grad and ti.dtypes.is_inexact_dtype(x.dtype)
+    # Not filtered on requires_grad: thunder's intermediate proxies do not carry it reliably (a value made by
+    # a single-device op from a trainable one may say False); thunder drops gradients nobody needs.
+    return isinstance(x, ti.TensorProxy) and ti.dtypes.is_inexact_dtype(x.dtype)
 
 
 def _cotangent_or_none(out: Any) -> Any:

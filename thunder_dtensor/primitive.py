@@ -181,7 +181,8 @@ def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> N
 
     def grad_rule(*args: Any, **kwargs: Any) -> Any:
         out = prim(*args, **kwargs)
-        flat_inputs, _ = ti.tree_flatten((args, kwargs))
+        # torch's pytree, as run_vjp uses at run time (thunder's orders dict keys differently)
+        flat_inputs, _ = ti.torch_tree_flatten((args, kwargs))
         diff_indices = tuple(i for i, x in enumerate(flat_inputs) if _is_differentiable(x))
         if not diff_indices:
             return out

@@ -319,7 +319,10 @@ def dtensor_true_divide(a, b):
 
 @define_dtensor_symbol
 def dtensor_div(a, b, *, rounding_mode=None):
-    ti.check(rounding_mode is None, lambda: f"torch.div on DTensors: rounding_mode={rounding_mode!r} is not supported")
+    if rounding_mode is not None:  # floor / trunc division: eager DTensor's own rules
+        from thunder_dtensor.ops.fallback import fallback_prim
+
+        return fallback_prim(torch.div)(a, b, rounding_mode=rounding_mode)
     return _binary(dtensor_div_prim, a, b)
 
 

@@ -133,7 +133,9 @@ def tensor_parallel_plan(cfg: GPTConfig, *, sequence_parallel: bool) -> dict:
     plan = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         # the position embedding is (seq, dim): shard it on seq to add it to the sequence-sharded stream
-        "pos_emb": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=False),
+        "pos_emb": PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=False
+        ),
         "ln_f": SequenceParallel(),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
 RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 
-.PHONY: setup demo test test-unit test-dist2 test-dist4 lint clean
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ test-dist2: setup
 
 test-dist4: setup
 	$(RUN4) -m pytest tests/distributed -q -p no:cacheprovider
+
+# the full OpInfo sweep (a few minutes): rewrites docs/op_coverage.md
+op-coverage: setup
+	$(RUN2) scripts/op_coverage.py
+
+tp-demo: setup
+	$(RUN2) examples/tp_transformer.py
 
 lint: setup
 	$(VENV)/bin/ruff check thunder_dtensor tests examples

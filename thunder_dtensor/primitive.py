@@ -190,7 +190,16 @@ def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> N
         cotangents = tuple(_cotangent_or_none(o) for o in outs)
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
-        grads = vjp_prim(args, kwargs, cotangents, diff_indices)
+        try:
+            grads = vjp_prim(args, kwargs, cotangents, diff_indices)
+        except DTensorOpError as e:
+            if "not differentiable with respect to argument" not in str(e):
+                raise
+            # an input torch cannot differentiate (a loss's class weights): keep the ones that ask for grads
+            diff_indices = tuple(i for i in diff_indices if flat_inputs[i].requires_grad)
+            if not diff_indices:
+                return out
+            grads = vjp_prim(args, kwargs, cotangents, diff_indices)
         for i, grad in zip(diff_indices, grads):
             if grad is not None:
                 ti.put_grad(flat_inputs[i], grad)

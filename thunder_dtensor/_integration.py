@@ -438,12 +438,6 @@ def bind_unpack_local_tensor(dtensor: Proxy, output: Proxy) -> BoundSymbol:
     return prims.unpack_attr.bind(dtensor, "_local_tensor", output=output)
 
 
-def check_tensor_metadata(t: TensorProxy) -> None:
-    from thunder import clang
-
-    clang.check_tensor_shape_and_metadata(t)
-
-
 def torchsymbol(name: str) -> Callable[[Callable], Symbol]:
     """A torch-level thunder symbol that accepts DTensorProxy inputs; it maps no torch function itself."""
     return ltorch.torchsymbol(id=f"thunder_dtensor.{name}", allow_tensor_subclass_proxy=True)

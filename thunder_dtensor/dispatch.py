@@ -8,7 +8,7 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.proxy import DTensorProxy
 
-__all__ = ["DTensorDispatcher", "register_function_for_dtensor", "dtensor_symbol_for"]
+__all__ = ["DTensorDispatcher", "register_function_for_dtensor", "register_method_for_dtensor"]
 
 #: torch function -> its dispatcher, for every registered function (used by docs and tests).
 DISPATCH_TABLE: dict[Callable, DTensorDispatcher] = {}
@@ -76,8 +76,3 @@ def register_method_for_dtensor(method_name: str, dtensor_symbol: Callable) -> D
     ti.register_torch_function(torch_method, dispatcher, method_name=method_name)
     DISPATCH_TABLE[torch_method] = dispatcher
     return dispatcher
-
-
-def dtensor_symbol_for(torch_fn: Callable) -> Callable | None:
-    d = DISPATCH_TABLE.get(torch_fn)
-    return None if d is None else d.dtensor_symbol

@@ -9,7 +9,7 @@ operation on the runtime DTensors. Its grad rule is written with other dtensor p
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
@@ -230,10 +230,6 @@ def define_vjp(prim: ti.Symbol) -> Callable[[Callable], Callable]:
         return vjp
 
     return register
-
-
-def tensor_args(args: Sequence[Any]) -> list[ti.TensorProxy]:
-    return [a for a in args if isinstance(a, ti.TensorProxy)]
 
 
 def define_dtensor_symbol(fn: Callable) -> ti.Symbol:

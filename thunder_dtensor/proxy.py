@@ -7,8 +7,6 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.spec import DTensorMeta
 
-import torch
-
 __all__ = ["DTensorProxy", "is_dtensor_proxy", "proxify_dtensor"]
 
 
@@ -90,11 +88,3 @@ def proxify_dtensor(x: Any, name: str | None = None, history: tuple | None = Non
         requires_grad=x.requires_grad,
         history=history,
     )
-
-
-def new_dtensor_proxy(meta: DTensorMeta, device: Any, requires_grad: bool) -> DTensorProxy:
-    return DTensorProxy(meta=meta, device=device, requires_grad=requires_grad)
-
-
-def torch_dtype(p: ti.TensorProxy) -> torch.dtype:
-    return ti.dtypes.to_torch_dtype(p.dtype)

@@ -163,17 +163,30 @@ def run_vjp(torch_fn: Callable, args: tuple, kwargs: dict, cotangents: tuple, di
     computed by eager DTensor's own backward. The forward is recomputed: the price of generality.
     """
     flat, spec = ti.torch_tree_flatten((args, kwargs))
+    # Some inputs cannot be differentiated (a loss's class weights): torch says so when they require grad,
+    # in the forward. Drop those, one at a time from the last, and give them no gradient.
+    for dropped in range(len(diff_indices) + 1):
+        kept = diff_indices[: len(diff_indices) - dropped] if dropped else diff_indices
+        try:
+            leaves, outs = _forward_with_leaves(torch_fn, flat, spec, kept)
+            break
+        except RuntimeError as e:
+            if "not differentiable with respect to argument" not in str(e) or not kept:
+                raise
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
+    if not pairs or not leaves:
+        return tuple(None for _ in diff_indices)
+    grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()), [c for _, c in pairs], allow_unused=True)
+    by_index = dict(zip(leaves, grads))
+    return tuple(by_index.get(i) for i in diff_indices)
+
+
+def _forward_with_leaves(torch_fn: Callable, flat: list, spec: Any, indices: tuple) -> tuple[dict, list]:
     with torch.enable_grad():
-        leaves = {i: flat[i].detach().requires_grad_() for i in diff_indices}
+        leaves = {i: flat[i].detach().requires_grad_() for i in indices}
         fargs, fkwargs = ti.torch_tree_unflatten([leaves.get(i, x) for i, x in enumerate(flat)], spec)
         outs = [o for o in ti.torch_tree_flatten(torch_fn(*fargs, **fkwargs))[0] if isinstance(o, torch.Tensor)]
-    pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
-    if not pairs:
-        return tuple(None for _ in diff_indices)
-    grads = torch.autograd.grad(
-        [o for o, _ in pairs], [leaves[i] for i in diff_indices], [c for _, c in pairs], allow_unused=True
-    )
-    return tuple(grads)
+    return leaves, outs
 
 
 def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> None:
@@ -190,16 +203,7 @@ def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> N
         cotangents = tuple(_cotangent_or_none(o) for o in outs)
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
-        try:
-            grads = vjp_prim(args, kwargs, cotangents, diff_indices)
-        except DTensorOpError as e:
-            if "not differentiable with respect to argument" not in str(e):
-                raise
-            # an input torch cannot differentiate (a loss's class weights): keep the ones that ask for grads
-            diff_indices = tuple(i for i in diff_indices if flat_inputs[i].requires_grad)
-            if not diff_indices:
-                return out
-            grads = vjp_prim(args, kwargs, cotangents, diff_indices)
+        grads = vjp_prim(args, kwargs, cotangents, diff_indices)
         for i, grad in zip(diff_indices, grads):
             if grad is not None:
                 ti.put_grad(flat_inputs[i], grad)

@@ -9,7 +9,15 @@ from thunder_dtensor import _integration as ti
 
 import torch
 
-__all__ = ["DTensorMeta"]
+__all__ = ["DTensorMeta", "contiguous_stride"]
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (a DTensor built from a fresh local result is contiguous globally)."""
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return tuple(stride)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from thunder_dtensor.dispatch import register_function_for_dtensor
 from thunder_dtensor.ops.redistribute import dtensor_redistribute
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
+from thunder_dtensor.spec import contiguous_stride
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +52,8 @@ def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
         )
     spec = ti.dtensor_spec(q)
     shape = tuple(q.shape[:-1]) + tuple(v.shape[-1:])
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * shape[i + 1]
-    return ti.DTensor.from_local(out, spec.mesh, spec.placements, run_check=False, shape=shape, stride=tuple(stride))
+    stride = contiguous_stride(shape)
+    return ti.DTensor.from_local(out, spec.mesh, spec.placements, run_check=False, shape=shape, stride=stride)
 
 
 def _attention_by_definition(q, k, v, mask, is_causal, scale):

@@ -16,6 +16,7 @@ from thunder_dtensor.dispatch import register_function_for_dtensor
 from thunder_dtensor.ops.fallback import fallback_prim
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
+from thunder_dtensor.spec import contiguous_stride
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +31,8 @@ def _vocab_parallel_embedding(ids: Any, weight: Any, vocab_mesh_dim: int, *args:
     rows = torch.where(outside.unsqueeze(-1), 0.0, rows)
     placements = [ti.Partial() if i == vocab_mesh_dim else p for i, p in enumerate(ids.placements)]
     shape = tuple(ids.shape) + (weight.shape[1],)
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * shape[i + 1]
-    return ti.DTensor.from_local(rows, ids.device_mesh, placements, run_check=False, shape=shape, stride=tuple(stride))
+    stride = contiguous_stride(shape)
+    return ti.DTensor.from_local(rows, ids.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 dtensor_vocab_parallel_embedding_prim = define_dtensor_prim("vocab_parallel_embedding", _vocab_parallel_embedding)

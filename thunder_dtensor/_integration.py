@@ -8,9 +8,16 @@ What is patched, and why:
 * torch >= 2.13 removed five named-tensor methods that thunder <= 0.2.6 lists for auto-registration, so
   ``import thunder`` fails. We add placeholders for the duration of the import only, then remove them
   from ``torch.Tensor`` and from thunder's tables again.
+* thunder 0.2.6 registers its own experimental DTensor dispatch wrappers when imported; we undo them
+  (``_remove_thunder_experimental_dtensor_registrations``) and refresh ConstantFolding's inverted map.
 * thunder's core calls hooks of its own experimental DTensor path (proxy creation, prologue checks,
-  backward cotangent checks, cotangent accumulation). We point those hooks at this package instead, so
-  that path is never used.
+  backward cotangent checks). We point those hooks at this package instead (``install_thunder_hooks``),
+  and give thunder's autodiff DTensor-aware ``add`` / ``zeros`` for cotangent sums and zero cotangents.
+* ``prims.get_grad``'s meta builds DTensor cotangents with our spec rule (``set_cotangent_proxy_factory``).
+* The interpreter's ``isinstance`` lookaside answers True for a DTensor's proxy against ``DTensor``
+  (``make_isinstance_see_dtensor_proxies``), so tensor-parallel hooks take their DTensor branches.
+* New torch functions / Tensor methods are added to thunder's map, method table and interpreter lookasides
+  (``register_torch_function``, ``register_method``).
 """
 
 from __future__ import annotations

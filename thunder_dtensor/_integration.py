@@ -242,9 +242,9 @@ def local_tensor(x: Any) -> torch.Tensor:
     return x._local_tensor
 
 
-def make_fake_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> Any:
-    """A DTensor with the given spec around ``local`` (used on fake tensors at trace time)."""
-    return DTensor(local, spec, requires_grad=requires_grad)
+def dtensor_around(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor of ``spec`` wrapping ``local`` as is (trace-time stand-ins: no autograd, no checks)."""
+    return DTensor(local, spec, requires_grad=False)
 
 
 def dtensor_from_local_unchecked(local: torch.Tensor, spec: Any) -> Any:

@@ -43,25 +43,14 @@ def to_torch_value(x: Any) -> Any:
     return x
 
 
-def _to_fake(x: Any) -> Any:
-    if isinstance(x, DTensorProxy):
-        return x.meta.fake_dtensor(ti.devices.to_torch_device(x.device), requires_grad=False)
-    if isinstance(x, ti.TensorProxy):
-        return torch.empty(
-            x.shape, dtype=ti.dtypes.to_torch_dtype(x.dtype), device=ti.devices.to_torch_device(x.device)
-        )
-    return to_torch_value(x)
-
-
-def _to_zeros(x: Any) -> Any:
-    """A real zero-filled stand-in (for sharding rules that look at data, see propagate_on_fake_dtensors)."""
+def _stand_in(x: Any, fill: Callable = torch.empty) -> Any:
+    """A torch value standing in for a proxy: ``torch.empty`` under fake mode, or real zeros (see below)."""
     if isinstance(x, DTensorProxy):
         device = ti.devices.to_torch_device(x.device)
-        local = torch.zeros(x.local_shape, dtype=x.meta.dtype, device=device)
-        return ti.dtensor_from_local_unchecked(local, x.meta.spec)
+        return ti.dtensor_around(fill(x.local_shape, dtype=x.meta.dtype, device=device), x.meta.spec)
     if isinstance(x, ti.TensorProxy):
         dtype, device = ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
-        return torch.zeros(x.shape, dtype=dtype, device=device)
+        return fill(x.shape, dtype=dtype, device=device)
     return to_torch_value(x)
 
 
@@ -86,13 +75,13 @@ def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kw
     requires_grad = any(isinstance(a, ti.TensorProxy) and a.requires_grad for a in flat)
     try:
         with ti.fake_tensor_mode():
-            fake_args, fake_kwargs = ti.tree_map(_to_fake, (args, kwargs))
+            fake_args, fake_kwargs = ti.tree_map(_stand_in, (args, kwargs))
             out = torch_fn(*fake_args, **fake_kwargs)
     except ti.DataDependentOutputException:
         # A few sharding rules read data (vocab-sharded embedding masks ids): run those on real zeros.
         # Every rank traces the same program, so any collective this runs is matched on all ranks.
         try:
-            zero_args, zero_kwargs = ti.tree_map(_to_zeros, (args, kwargs))
+            zero_args, zero_kwargs = ti.tree_map(lambda x: _stand_in(x, torch.zeros), (args, kwargs))
             out = torch_fn(*zero_args, **zero_kwargs)
         except Exception as e:
             raise DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}") from e

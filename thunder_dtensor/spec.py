@@ -72,8 +72,3 @@ class DTensorMeta:
             return self
         placements = tuple(ti.Replicate() if p.is_partial() else p for p in self.placements)
         return DTensorMeta(ti.make_spec(self.mesh, placements, self.spec.tensor_meta), self.local_shape)
-
-    def fake_dtensor(self, device: torch.device, requires_grad: bool = False) -> Any:
-        """A DTensor with this spec around an empty local tensor; call under a fake tensor mode."""
-        local = torch.empty(self.local_shape, dtype=self.dtype, device=device)
-        return ti.make_fake_dtensor(local, self.spec, requires_grad=requires_grad)

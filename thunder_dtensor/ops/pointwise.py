@@ -473,20 +473,19 @@ def _register() -> None:
         "sign": dtensor_sign_prim,
         "relu": dtensor_relu_prim,
     }
-    for name, prim in unary_prims.items():
-        binary[getattr(torch, name)] = (getattr(ltorch, name), _unary(prim, name))
+    unary = {name: _unary(prim, name) for name, prim in unary_prims.items()}
+    for name, symbol in unary.items():
+        binary[getattr(torch, name)] = (getattr(ltorch, name), symbol)
 
     for torch_fn, (single, dtensor_symbol) in binary.items():
         register_function_for_dtensor(torch_fn, single, dtensor_symbol, is_method=True)
 
     silu = _unary(dtensor_silu_prim, "silu")
     register_function_for_dtensor(torch.nn.functional.silu, ltorch.silu, silu)
-    register_function_for_dtensor(torch.nn.functional.relu, ltorch.relu, _unary(dtensor_relu_prim, "relu_functional"))
     register_function_for_dtensor(torch.nn.functional.gelu, ltorch.gelu, dtensor_gelu)
-    register_function_for_dtensor(
-        torch.nn.functional.sigmoid, ltorch.sigmoid, _unary(dtensor_sigmoid_prim, "sigmoid_f")
-    )
-    register_function_for_dtensor(torch.nn.functional.tanh, ltorch.tanh, _unary(dtensor_tanh_prim, "tanh_f"))
+    # F.relu / F.sigmoid / F.tanh are the same ops as their torch-namespace twins
+    for name in ("relu", "sigmoid", "tanh"):
+        register_function_for_dtensor(getattr(torch.nn.functional, name), getattr(ltorch, name), unary[name])
     # operator methods that have no torch-namespace twin
     register_method_for_dtensor("to", dtensor_to)
     register_method_for_dtensor("float", _method_cast(torch.float32, "float"))

@@ -101,28 +101,31 @@ def computation_dtype(*operands: Any) -> torch.dtype:
     return dtype
 
 
+def promote_operands(*operands: Any) -> list[Any]:
+    """Convert DTensor operands to torch's promoted dtype of all the operands."""
+    dtype = ti.dtypes.to_dtype(computation_dtype(*operands))
+    return [
+        dtensor_convert_element_type_prim(x, dtype) if isinstance(x, DTensorProxy) and x.dtype != dtype else x
+        for x in operands
+    ]
+
+
+def broadcast_operands(*operands: Any) -> list[Any]:
+    """Expand DTensor operands to their common broadcast shape."""
+    shape = tuple(torch.broadcast_shapes(*(tuple(x.shape) for x in operands if isinstance(x, DTensorProxy))))
+    return [
+        dtensor_expand_prim(x, shape) if isinstance(x, DTensorProxy) and tuple(x.shape) != shape else x
+        for x in operands
+    ]
+
+
 def prepare_operands(*operands: Any) -> list[Any]:
     """Convert DTensor operands to the promoted dtype and broadcast them to a common shape.
 
     Python scalars stay scalars (DTensor ops take them as they are); plain tensors are left for the prim,
     which accepts them exactly when eager DTensor does.
     """
-    dtype = ti.dtypes.to_dtype(computation_dtype(*operands))
-    dtensors = [x for x in operands if isinstance(x, DTensorProxy)]
-    shape = tuple(torch.broadcast_shapes(*(tuple(x.shape) for x in dtensors)))
-    prepared = []
-    for x in operands:
-        if isinstance(x, DTensorProxy):
-            if x.dtype != dtype:
-                x = dtensor_convert_element_type_prim(x, dtype)
-            if tuple(x.shape) != shape:
-                x = dtensor_expand_prim(x, shape)
-        prepared.append(x)
-    return prepared
-
-
-def _is_float(x: Any) -> bool:
-    return isinstance(x, ti.TensorProxy) and ti.dtypes.is_inexact_dtype(x.dtype)
+    return broadcast_operands(*promote_operands(*operands))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -356,13 +359,8 @@ def dtensor_where(cond, a, b):
 
 
 def _where_operands(cond, a, b):
-    a, b = prepare_operands(a, b)
-    dtensors = [x for x in (cond, a, b) if isinstance(x, DTensorProxy)]
-    shape = tuple(torch.broadcast_shapes(*(tuple(x.shape) for x in dtensors)))
-    return [
-        dtensor_expand_prim(x, shape) if isinstance(x, DTensorProxy) and tuple(x.shape) != shape else x
-        for x in (cond, a, b)
-    ]
+    # the condition takes part in broadcasting, not in type promotion
+    return broadcast_operands(cond, *promote_operands(a, b))
 
 
 @define_dtensor_symbol

@@ -33,6 +33,11 @@ if DISTRIBUTED_AVAILABLE:
     )
     _integration.set_cotangent_proxy_factory(guards.make_cotangent_proxy)
     _integration.make_isinstance_see_dtensor_proxies(DTensorProxy)
+    _integration.make_placements_opaque()
+
+    from thunder_dtensor.thunderfx import dtensor_node_support
+
+    _integration.install_thunderfx_support(dtensor_node_support)
 
     __all__ += [
         "DTENSOR_PRIMS",

@@ -18,11 +18,17 @@ What is patched, and why:
   (``make_isinstance_see_dtensor_proxies``), so tensor-parallel hooks take their DTensor branches.
 * New torch functions / Tensor methods are added to thunder's map, method table and interpreter lookasides
   (``register_torch_function``, ``register_method``).
+* Placement constructors are called whole by the interpreter (``make_placements_opaque``).
+* thunderfx's splitter asks this package about nodes with DTensors or a device mesh, skips thunder's
+  translation to its experimental prims, passes the mesh through its example-input metadata, and gives
+  thunder.jit graph modules already compiled to Python (``install_thunderfx_support``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -242,6 +248,27 @@ def local_tensor(x: Any) -> torch.Tensor:
     return x._local_tensor
 
 
+def size_hint(s: Any) -> int:
+    """A size as an int: a symbolic size (dynamo's dynamic shapes) reads as the value it was traced with."""
+    return s.node.hint if isinstance(s, torch.SymInt) else int(s)
+
+
+def spec_with_sizes(spec: Any, shape: Any, stride: Any) -> Any:
+    """``spec`` with its global shape and stride replaced (as tuples of ints)."""
+    meta = TensorMeta(tuple(size_hint(s) for s in shape), tuple(size_hint(s) for s in stride), spec.tensor_meta.dtype)
+    return dataclasses.replace(spec, tensor_meta=meta)
+
+
+@functools.lru_cache(maxsize=1024)
+def canonical_spec_repr(spec: Any) -> str:
+    """``repr(spec)`` with the global shape and stride written as tuples, so equal specs read the same.
+
+    A spec may hold a ``torch.Size`` or a tuple (a DTensor made by inductor vs. one made eagerly); the two
+    compare equal but print differently. Memoised: ``DTensorSpec`` is a hashable value.
+    """
+    return repr(spec_with_sizes(spec, spec.tensor_meta.shape, spec.tensor_meta.stride))
+
+
 def dtensor_around(local: torch.Tensor, spec: Any) -> Any:
     """A DTensor of ``spec`` wrapping ``local`` as is (trace-time stand-ins: no autograd, no checks)."""
     return DTensor(local, spec, requires_grad=False)
@@ -448,3 +475,110 @@ def bind_unpack_local_tensor(dtensor: Proxy, output: Proxy) -> BoundSymbol:
 def torchsymbol(name: str) -> Callable[[Callable], Symbol]:
     """A torch-level thunder symbol that accepts DTensorProxy inputs; it maps no torch function itself."""
     return ltorch.torchsymbol(id=f"thunder_dtensor.{name}", allow_tensor_subclass_proxy=True)
+
+
+def make_placements_opaque() -> None:
+    """Let jitted code build placements (``Shard(1)``, ``Replicate()``): the interpreter calls them whole.
+
+    Placements are Python subclasses of pybind11 classes; stepping into their construction aborts the
+    process. Dynamo graphs handed over by thunderfx spell every placement as such a call.
+    """
+    from thunder.core import jit_ext
+
+    for placement_type in (Shard, Replicate, Partial):
+        jit_ext._general_jit_lookaside_map[placement_type] = jit_ext.interpreter_needs_wrap(placement_type)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thunderfx (thunder.dynamo, thunder 0.2.6 layout)
+# ---------------------------------------------------------------------------------------------------------
+def is_opaque_script_object(x: Any) -> bool:
+    """Whether ``x`` is what dynamo graphs hold for a device mesh or process group."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    return isinstance(x, (FakeScriptObject, torch.ScriptObject))
+
+
+def fx_example_value(arg: Any) -> Any:
+    """Dynamo's example value of an fx node (``arg`` itself if it is not a node).
+
+    A graph input that is a device mesh has an opaque stand-in as example value; the mesh itself is
+    dynamo's recorded example for that input.
+    """
+    if not isinstance(arg, torch.fx.Node):
+        return arg
+    value = arg.meta.get("example_value")
+    if is_opaque_script_object(value) and "grapharg" in arg.meta:
+        return arg.meta["grapharg"].example
+    return value
+
+
+def trace_on_proxies(fn: Callable, make_inputs: Callable[[], tuple[tuple, dict]]) -> None:
+    """Run ``fn`` once on proxies in a throwaway trace, as thunderfx's splitter tests an op.
+
+    ``make_inputs`` builds the proxies inside the trace.
+    """
+    from thunder.common import CompileData, CompileStats
+    from thunder.core.compile_data import compile_data_and_stats
+
+    @compile_data_and_stats(CompileData(fn=lambda x: x, disable_preprocessing=True), CompileStats())
+    @thunder._with_cache_info_ctx
+    def run() -> None:
+        cache_info = thunder._get_cache_info()
+        cache_info["default_dtype"] = torch.get_default_dtype()
+        cache_info["default_device"] = torch.get_default_device()
+        with tracectx(TraceCtx()):
+            args, kwargs = make_inputs()
+            fn(*args, **kwargs)
+
+    run()
+
+
+def install_thunderfx_support(dtensor_node_support: Callable) -> None:
+    """Make thunderfx's splitter hand graphs with DTensors to thunder.jit whole.
+
+    * ``dtensor_node_support(node)`` decides for every node that touches a DTensor or a device mesh
+      (``None`` leaves the node to thunder): thunder's own check crashes on the mesh's ``FakeScriptObject``
+      and looks methods like ``redistribute`` up on ``torch.Tensor`` only.
+    * ``translate_dtensor_ops`` is turned off: it rewrites older dynamo graphs to thunder's experimental
+      DTensor prims, which this package removes. torch >= 2.13 graphs call ``DTensor.from_local``,
+      ``.redistribute`` and ``.to_local`` directly, and the dispatch table covers those.
+    * Example-input metadata (kept for thunderfx's reports) passes the device mesh through as it is.
+    * Each graph module is compiled to Python before ``thunder.jit`` sees it: fx's lazy code generation,
+      run inside thunder's interpreter, fails on a mesh argument.
+    """
+    import thunder.dynamo.compiler as fx_compiler
+    import thunder.dynamo.splitter as fx_splitter
+    import thunder.dynamo.utils as fx_utils
+
+    thunder_node_support = fx_utils.is_node_supported_by_thunder
+
+    def is_node_supported_by_thunder(node: torch.fx.Node, thunder_options: dict) -> tuple[bool, Any]:
+        decision = dtensor_node_support(node)
+        if decision is None:
+            return thunder_node_support(node, thunder_options)
+        supported, reason = decision
+        if supported:
+            return True, None
+        return False, fx_utils.SplitReason(fx_utils.SplitReasonType.MISSING_OP_SUPPORT, info=reason)
+
+    thunder_example_meta = fx_utils.input_to_example_input_meta
+
+    def input_to_example_input_meta(x: Any) -> Any:
+        if is_opaque_script_object(x) or isinstance(x, DeviceMesh):
+            return x
+        return thunder_example_meta(x)
+
+    thunder_splitter = fx_compiler._splitter
+
+    def splitter(gm: torch.fx.GraphModule, thunder_jit: Callable, *args: Any, **kwargs: Any) -> Any:
+        def jit_compiled_graph(graph_module: torch.fx.GraphModule, **options: Any) -> Any:
+            fx_utils.recompile_graph(graph_module)
+            return thunder_jit(graph_module, **options)
+
+        return thunder_splitter(gm, jit_compiled_graph, *args, **kwargs)
+
+    fx_utils.is_node_supported_by_thunder = fx_splitter.is_node_supported_by_thunder = is_node_supported_by_thunder
+    fx_utils.input_to_example_input_meta = input_to_example_input_meta
+    fx_splitter.translate_dtensor_ops = lambda gm: None
+    fx_compiler._splitter = splitter

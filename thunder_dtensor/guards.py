@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from thunder_dtensor import _integration as ti
@@ -17,18 +16,12 @@ def _always(*args: Any, **kwargs: Any) -> bool:
 
 
 # --- check_dtensor_spec_repr: the prologue's check of mesh, placements, global shape, stride and dtype -----
-@functools.lru_cache(maxsize=1024)
-def _spec_repr(spec: Any) -> str:
-    # DTensorSpec is a hashable value with a cached hash: one dict probe per call instead of a repr.
-    return repr(spec)
-
-
 def _check_dtensor_spec_repr_meta(spec: ti.AnyProxy, expected: str) -> None:
     ti.check(isinstance(expected, str), lambda: f"expected a spec repr string, got {type(expected)}")
 
 
 def _check_dtensor_spec_repr_impl(spec: Any, expected: str) -> None:
-    actual = _spec_repr(spec)
+    actual = ti.canonical_spec_repr(spec)  # memoised: one dict probe per call
     if actual != expected:
         raise RuntimeError(f"DTensor spec changed: traced for {expected}, called with {actual}")
 

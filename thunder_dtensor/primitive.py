@@ -15,8 +15,7 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.executor import dtensor_ex
-from thunder_dtensor.proxy import DTensorProxy
-from thunder_dtensor.spec import DTensorMeta
+from thunder_dtensor.proxy import DTensorProxy, proxy_for_value
 
 import torch
 
@@ -54,19 +53,24 @@ def _stand_in(x: Any, fill: Callable = torch.empty) -> Any:
     return to_torch_value(x)
 
 
-def _to_proxy(x: Any, requires_grad: bool) -> Any:
+def _spec_on_mesh(spec: Any, input_meshes: list) -> Any:
+    """``spec`` on the op's own (real) device mesh.
+
+    Under thunderfx, dynamo's fake tracing leaves DTensor's sharding cache holding specs whose mesh is an
+    opaque stand-in that compares equal to the real one; an output must carry the mesh of its inputs.
+    """
+    if not ti.is_opaque_script_object(spec.mesh):
+        return spec
+    real = next((m for m in input_meshes if m == spec.mesh), None)
+    ti.check(real is not None, lambda: f"no input of the op is on the output's device mesh {spec.mesh}")
+    return ti.make_spec(real, spec.placements, spec.tensor_meta)
+
+
+def _to_proxy(x: Any, requires_grad: bool, input_meshes: list) -> Any:
     if ti.DISTRIBUTED_AVAILABLE and isinstance(x, ti.DTensor):
-        local = ti.local_tensor(x)
-        meta = DTensorMeta.from_spec(ti.dtensor_spec(x), tuple(local.shape))
-        return DTensorProxy(meta=meta, device=ti.devices.to_device(x.device), requires_grad=requires_grad)
-    if isinstance(x, torch.Tensor):
-        return ti.TensorProxy(
-            shape=tuple(x.shape),
-            dtype=ti.dtypes.to_dtype(x.dtype),
-            device=ti.devices.to_device(x.device),
-            requires_grad=requires_grad,
-        )
-    return x
+        spec = _spec_on_mesh(ti.dtensor_spec(x), input_meshes)
+        return proxy_for_value(x, requires_grad=requires_grad, spec=spec)
+    return proxy_for_value(x, requires_grad=requires_grad)
 
 
 def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -89,7 +93,9 @@ def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kw
         raise DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}") from e
     if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
         out = tuple(out)
-    return ti.tree_map(lambda o: _to_proxy(o, requires_grad), out)
+    input_meshes = [a.device_mesh for a in flat if isinstance(a, DTensorProxy)]
+    input_meshes += [a for a in flat if ti.DISTRIBUTED_AVAILABLE and isinstance(a, ti.DeviceMesh)]
+    return ti.tree_map(lambda o: _to_proxy(o, requires_grad, input_meshes), out)
 
 
 def _always(*args: Any, **kwargs: Any) -> bool:

@@ -7,7 +7,9 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.spec import DTensorMeta
 
-__all__ = ["DTensorProxy", "is_dtensor_proxy", "proxify_dtensor"]
+import torch
+
+__all__ = ["DTensorProxy", "is_dtensor_proxy", "proxify_dtensor", "proxy_for_value"]
 
 
 class DTensorProxy(ti.TensorProxy):
@@ -76,15 +78,36 @@ def is_dtensor_proxy(x: Any) -> bool:
     return isinstance(x, DTensorProxy)
 
 
+def proxy_for_value(
+    x: Any, *, requires_grad: bool, spec: Any = None, name: str | None = None, history: tuple | None = None
+) -> Any:
+    """A proxy describing the torch value ``x`` (a DTensor or a tensor, real or fake); other values as they are.
+
+    ``spec`` replaces a DTensor's own spec. Symbolic sizes (dynamo's dynamic shapes) read as their hints.
+    """
+    if ti.DISTRIBUTED_AVAILABLE and isinstance(x, ti.DTensor):
+        local_shape = tuple(ti.size_hint(s) for s in ti.local_tensor(x).shape)
+        return DTensorProxy(
+            name,
+            meta=DTensorMeta.from_spec(ti.dtensor_spec(x) if spec is None else spec, local_shape),
+            device=ti.devices.to_device(x.device),
+            requires_grad=requires_grad,
+            history=history,
+        )
+    if isinstance(x, torch.Tensor):
+        return ti.TensorProxy(
+            name,
+            shape=tuple(ti.size_hint(s) for s in x.shape),
+            dtype=ti.dtypes.to_dtype(x.dtype),
+            device=ti.devices.to_device(x.device),
+            requires_grad=requires_grad,
+            history=history,
+        )
+    return x
+
+
 def proxify_dtensor(x: Any, name: str | None = None, history: tuple | None = None) -> DTensorProxy | None:
     """thunder's proxy() hook: a DTensorProxy for a runtime DTensor, None for anything else."""
     if not ti.DISTRIBUTED_AVAILABLE or not isinstance(x, ti.DTensor):
         return None
-    local = ti.local_tensor(x)
-    return DTensorProxy(
-        name,
-        meta=DTensorMeta.from_spec(ti.dtensor_spec(x), tuple(local.shape)),
-        device=ti.devices.to_device(x.device),
-        requires_grad=x.requires_grad,
-        history=history,
-    )
+    return proxy_for_value(x, requires_grad=x.requires_grad, name=name, history=history)

@@ -61,7 +61,7 @@ class DTensorMeta:
 
     def spec_repr(self) -> str:
         """The string the prologue compares with the runtime spec: mesh, placements, shape, stride, dtype."""
-        return repr(self.spec)
+        return ti.canonical_spec_repr(self.spec)
 
     def as_cotangent(self) -> DTensorMeta:
         """The spec of this value's cotangent: a Partial value's cotangent is a full (Replicate) value.

@@ -1,4 +1,4 @@
-"""Tensor-parallel and sequence-parallel Transformers under thunder.jit train like the unsharded model.
+"""Tensor-parallel and sequence-parallel Transformers under thunder.jit and thunderfx train like the unsharded model.
 
 The model (thunder_dtensor.testing.models.GPT) is parallelized with parallelize_module using
 ColwiseParallel, RowwiseParallel (use_local_output True and False), SequenceParallel, PrepareModuleInput
@@ -15,6 +15,7 @@ import pytest
 import thunder
 import torch
 import torch.distributed as dist
+from thunder.dynamo import thunderfx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -48,13 +49,35 @@ def _assert_grads_match(model: GPT, ref: GPT, what: str) -> None:
         torch.testing.assert_close(_full(p.grad), r.grad, **TOL, msg=lambda m, n=name: f"{what}: {n}: {m}")
 
 
+COMPILERS = {"jit": thunder.jit, "thunderfx": thunderfx}
+
+
+def _thunder_program(compiled, compiler: str):
+    """The thunder-compiled program behind ``compiled``; for thunderfx, after checking nothing was split off.
+
+    Under thunderfx the model is one dynamo graph (no graph breaks) handed to thunder whole: no split
+    reasons, no inductor piece.
+    """
+    if compiler == "jit":
+        return compiled
+    infos = compiled._backend.subgraph_infos
+    assert len(infos) == 1, f"{len(infos)} dynamo graphs: the model should compile without graph breaks"
+    (info,) = infos
+    assert info.split_reasons == [], [r.info for r in info.split_reasons]
+    pieces = [name for name, _ in info.split_graph_module.named_children()]
+    assert pieces == ["thunder_0"], pieces
+    (program,) = info.thunder_compiled_fns
+    return program
+
+
 @pytest.mark.world_size(2, 4)
+@pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
-def test_training_matches_single_process(sequence_parallel):
+def test_training_matches_single_process(sequence_parallel, compiler):
     cfg = GPTConfig()
     ref = _reference(cfg)
     model = parallelize(copy.deepcopy(ref), mesh_1d(), sequence_parallel=sequence_parallel)
-    jitted = thunder.jit(model)
+    jitted = COMPILERS[compiler](model)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR), torch.optim.AdamW(ref.parameters(), lr=LR)
     for step in range(STEPS):
         idx, tgt = _batch(step, 4, cfg)
@@ -68,19 +91,21 @@ def test_training_matches_single_process(sequence_parallel):
             o.step()
             o.zero_grad()
     # steps 2 to 5 reuse the program compiled for step 1
-    assert thunder.cache_misses(jitted) == 1
-    assert thunder.cache_hits(jitted) == STEPS - 1
+    program = _thunder_program(jitted, compiler)
+    assert thunder.cache_misses(program) == 1
+    assert thunder.cache_hits(program) == STEPS - 1
 
 
 @pytest.mark.world_size(4)
-def test_2d_mesh_data_parallel_by_tensor_parallel():
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_2d_mesh_data_parallel_by_tensor_parallel(compiler):
     """dp x tp = 2 x 2: each dp rank trains on its half of the batch; gradients are averaged over dp."""
     cfg = GPTConfig()
     mesh = mesh_2d()
     dp_group, dp_rank, dp_size = mesh.get_group("dp"), mesh.get_local_rank("dp"), mesh.size(0)
     ref = _reference(cfg)
     model = parallelize(copy.deepcopy(ref), mesh["tp"], sequence_parallel=False)
-    jitted = thunder.jit(model)
+    jitted = COMPILERS[compiler](model)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR), torch.optim.AdamW(ref.parameters(), lr=LR)
     for step in range(STEPS):
         idx, tgt = _batch(step, 4, cfg)
@@ -100,7 +125,8 @@ def test_2d_mesh_data_parallel_by_tensor_parallel():
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    assert thunder.cache_misses(jitted) == 1 and thunder.cache_hits(jitted) == STEPS - 1
+    program = _thunder_program(jitted, compiler)
+    assert thunder.cache_misses(program) == 1 and thunder.cache_hits(program) == STEPS - 1
 
 
 def _counts(mode: CommDebugMode) -> dict[str, int]:
@@ -132,13 +158,15 @@ EXPECTED_COMMS = {
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_collectives_no_more_than_eager(sequence_parallel):
-    # eager DTensor has no fused-SDPA strategy on CPU: both run attention as matmul + softmax here
+    # eager DTensor has no fused-SDPA strategy on CPU: both run attention as matmul + softmax here.
+    # (thunder.jit only: under CommDebugMode, a dispatch mode, dynamo runs the frame eagerly instead.)
     cfg = GPTConfig(layers=1, unfused_attention=True)
     eager = parallelize(_reference(cfg), mesh_1d(), sequence_parallel=sequence_parallel)
     jitted = thunder.jit(parallelize(_reference(cfg), mesh_1d(), sequence_parallel=sequence_parallel))
     idx, tgt = _batch(0, 4, cfg)
     loss_fn(jitted(idx), tgt).backward()  # compile first: the counted step is a cache hit
     thunder_counts = _step_counts(jitted, idx, tgt)
+    assert thunder.cache_hits(jitted) == 1
     eager_counts = _step_counts(eager, idx, tgt)
     assert eager_counts == EXPECTED_COMMS[sequence_parallel]
     assert thunder_counts == EXPECTED_COMMS[sequence_parallel]

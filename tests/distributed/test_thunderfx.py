@@ -1,0 +1,66 @@
+"""thunderfx (thunder.dynamo) on DTensor programs: what is split off, and the pieces that make it work.
+
+Whole tensor-parallel models under thunderfx are in test_tensor_parallel.py.
+"""
+
+from thunder_dtensor.testing import make_full, mesh_1d
+
+import pytest
+import thunder
+import torch
+from thunder.dynamo import thunderfx
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+
+def _dt(full, placements):
+    return distribute_tensor(full, mesh_1d(), placements).requires_grad_(True)
+
+
+def test_op_without_thunder_mapping_is_split_out_with_a_reason():
+    """An aten op called directly has no thunder symbol: thunderfx hands it to inductor, the rest to thunder."""
+
+    def fn(x):
+        return torch.ops.aten.sin.default(x * 2) + 1
+
+    full = make_full((4, 6), seed=1)
+    x, x_eager = _dt(full, [Shard(0)]), _dt(full, [Shard(0)])
+    compiled = thunderfx(fn)
+    out, expected = compiled(x), fn(x_eager)
+    assert out.placements == expected.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), torch.sin(full * 2) + 1)
+    out.sum().backward()
+    expected.sum().backward()
+    assert x.grad.placements == x_eager.grad.placements
+    torch.testing.assert_close(x.grad.full_tensor(), 2 * torch.cos(full * 2))
+
+    (info,) = compiled._backend.subgraph_infos
+    assert [name for name, _ in info.split_graph_module.named_children()] == ["thunder_0", "inductor_1", "thunder_2"]
+    (reason,) = info.split_reasons
+    assert "aten.sin.default" in reason.info and "no thunder_dtensor mapping" in reason.info
+
+
+@pytest.mark.parametrize("compile_fn", [thunder.jit, thunderfx], ids=["jit", "thunderfx"])
+def test_placements_built_inside_compiled_code(compile_fn):
+    """Placement constructors run whole in thunder's interpreter (they are pybind11 classes)."""
+
+    def fn(x):
+        return x.redistribute(x.device_mesh, [Replicate()]).redistribute(x.device_mesh, [Shard(1)]) * 2
+
+    full = make_full((4, 6), seed=2)
+    out = compile_fn(fn)(_dt(full, [Shard(0)]))
+    assert out.placements == fn(_dt(full, [Shard(0)])).placements == (Shard(1),)
+    torch.testing.assert_close(out.full_tensor(), full * 2)
+
+
+def test_equal_specs_hit_the_cache_whether_shape_is_a_size_or_a_tuple():
+    """Inductor builds DTensor specs with tuple shapes, eager with torch.Size: the prologue sees one spec."""
+    full = make_full((4, 6), seed=3)
+    sized = distribute_tensor(full, mesh_1d(), [Shard(0)])
+    tupled = DTensor.from_local(sized.to_local(), mesh_1d(), [Shard(0)], shape=(4, 6), stride=(6, 1))
+    assert type(sized._spec.tensor_meta.shape) is not type(tupled._spec.tensor_meta.shape)
+    assert sized._spec == tupled._spec
+
+    jitted = thunder.jit(lambda x: x * 3)
+    for x in (sized, tupled, sized):
+        torch.testing.assert_close(jitted(x).full_tensor(), full * 3)
+    assert thunder.cache_misses(jitted) == 1 and thunder.cache_hits(jitted) == 2

@@ -1,0 +1,87 @@
+"""thunderfx (``thunder.dynamo``): which nodes of a dynamo graph with DTensors thunder runs.
+
+Dynamo records a tensor-parallel module as one graph: ``DTensor.from_local`` with the device mesh as a
+graph input, DTensor ops, ``.redistribute`` and ``.to_local``. thunderfx's splitter asks, node by node,
+whether thunder can run it, and hands unsupported stretches to inductor. For nodes that touch a DTensor
+or the mesh this module answers: it runs the node's thunder symbol (our dispatchers) on proxies built
+from dynamo's example values. A node DTensor rejects is split out with our error as the reason;
+everything else stays in one thunder graph. Only the forward is tried: every dtensor prim has a grad rule
+(the generic VJP when no dedicated one), so a forward that traces also differentiates.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from thunder_dtensor import _integration as ti
+from thunder_dtensor.proxy import proxy_for_value
+
+import torch
+
+__all__ = ["dtensor_node_support"]
+
+
+def _touches_dtensor(node: torch.fx.Node) -> bool:
+    values = [node.meta.get("example_value"), *(ti.fx_example_value(a) for a in node.all_input_nodes)]
+    leaves, _ = ti.torch_tree_flatten(values)
+    return any(isinstance(v, ti.DTensor) or ti.is_opaque_script_object(v) for v in leaves)
+
+
+def _thunder_callable(node: torch.fx.Node) -> Callable | None:
+    """What thunder would call for ``node``: its mapped symbol (our dispatcher), or a builtin operator."""
+    fn_map = ti.torch_to_thunder_map()
+    if node.op == "call_function":
+        if node.target in fn_map:
+            return fn_map[node.target]
+        return node.target if inspect.isbuiltin(node.target) else None
+    if node.op == "call_method":
+        method = getattr(ti.DTensor, node.target, None)
+        return fn_map[method] if method in fn_map else ti.thunder_method(node.target)
+    return None
+
+
+def _spec_as_traced(spec: Any) -> Any:
+    """The spec thunder_dtensor traces for a value dynamo describes with ``spec``.
+
+    Symbolic sizes (dynamic shapes) read as their hints. Eager's stateful Partial subclasses become the
+    plain Partial our ops give: the vocab-parallel embedding is eager's ``_MaskPartial``, whose mask exists
+    only after a real lookup, and thunder_dtensor's ``Partial(sum)`` (see ``ops/embedding.py``).
+    """
+    spec = ti.spec_with_sizes(spec, spec.tensor_meta.shape, spec.tensor_meta.stride)
+    placements = tuple(
+        ti.Partial(p.reduce_op) if p.is_partial() and type(p) is not ti.Partial else p for p in spec.placements
+    )
+    return spec if placements == tuple(spec.placements) else ti.make_spec(spec.mesh, placements, spec.tensor_meta)
+
+
+def _proxy_for(value: Any) -> Any:
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return value.node.hint
+    if not isinstance(value, torch.Tensor):
+        return value
+    spec = _spec_as_traced(ti.dtensor_spec(value)) if isinstance(value, ti.DTensor) else None
+    return proxy_for_value(value, requires_grad=value.requires_grad, spec=spec)
+
+
+def _proxy_inputs(node: torch.fx.Node) -> tuple[tuple, dict]:
+    def convert(arg: Any) -> Any:
+        leaves, spec = ti.torch_tree_flatten(ti.fx_example_value(arg))
+        return ti.torch_tree_unflatten([_proxy_for(v) for v in leaves], spec)
+
+    return torch.fx.map_arg(node.args, convert), torch.fx.map_arg(node.kwargs, convert)
+
+
+def dtensor_node_support(node: torch.fx.Node) -> tuple[bool, str | None] | None:
+    """``(supported, reason)`` for a node with a DTensor or device mesh in it; ``None`` for any other node."""
+    if node.op not in ("call_function", "call_method") or not _touches_dtensor(node):
+        return None
+    fn = _thunder_callable(node)
+    if fn is None:
+        return False, f"node {node.name} ({node.target}) on DTensors has no thunder_dtensor mapping"
+    try:
+        ti.trace_on_proxies(fn, lambda: _proxy_inputs(node))
+    except Exception as e:  # the reason thunderfx records for the split
+        return False, f"node {node.name} ({node.target}) on DTensors failed under thunder_dtensor: {e}"
+    return True, None

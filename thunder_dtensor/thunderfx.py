@@ -26,7 +26,7 @@ __all__ = ["dtensor_node_support"]
 def _touches_dtensor(node: torch.fx.Node) -> bool:
     values = [node.meta.get("example_value"), *(ti.fx_example_value(a) for a in node.all_input_nodes)]
     leaves, _ = ti.torch_tree_flatten(values)
-    return any(isinstance(v, ti.DTensor) or ti.is_opaque_script_object(v) for v in leaves)
+    return any(isinstance(v, ti.DTensor | ti.DeviceMesh) or ti.is_opaque_script_object(v) for v in leaves)
 
 
 def _thunder_callable(node: torch.fx.Node) -> Callable | None:

@@ -64,3 +64,27 @@ def test_equal_specs_hit_the_cache_whether_shape_is_a_size_or_a_tuple():
     for x in (sized, tupled, sized):
         torch.testing.assert_close(jitted(x).full_tensor(), full * 3)
     assert thunder.cache_misses(jitted) == 1 and thunder.cache_hits(jitted) == 2
+
+
+def test_dynamic_batch_size_under_tensor_parallel():
+    """A new batch size makes dynamo recompile with a symbolic batch dim: thunder still gets the whole graph."""
+    import copy
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    compiled = thunderfx(parallelize_module(copy.deepcopy(reference), mesh_1d(), plan))
+    for batch in (4, 2, 3):
+        x = make_full((batch, 8), seed=batch)
+        torch.testing.assert_close(compiled(x), reference(x))
+    infos = compiled._backend.subgraph_infos
+    assert len(infos) == 2  # static shapes first, then one dynamic-batch graph for both later sizes
+    assert any(
+        isinstance(p.meta.get("example_value"), torch.SymInt)
+        for p in infos[1].original_graph_module.graph.find_nodes(op="placeholder")
+    )
+    for info in infos:
+        assert info.split_reasons == [], [r.info for r in info.split_reasons]
+        assert [name for name, _ in info.split_graph_module.named_children()] == ["thunder_0"]

@@ -39,6 +39,23 @@ def test_plain_program_uses_thunder_symbols_and_grads():
     assert "dtensor" not in str(thunder.last_traces(jfn)[-1])
 
 
+def test_plain_thunderfx_splits_as_thunder_does():
+    """Our splitter hooks leave plain graphs to thunder: supported ops in thunder, the rest to inductor."""
+    from thunder.dynamo import thunderfx
+
+    def fn(x):
+        return torch.ops.aten.sin.default(x * 2) + x.cos()
+
+    x = torch.randn(4, 5)
+    compiled = thunderfx(fn)
+    torch.testing.assert_close(compiled(x), fn(x))
+    (info,) = compiled._backend.subgraph_infos
+    assert [name for name, _ in info.split_graph_module.named_children()] == ["thunder_0", "inductor_1", "thunder_2"]
+    (reason,) = info.split_reasons
+    assert "didn't have any mapping in thunder" in reason.info  # thunder's own reason, not ours
+    assert "dtensor" not in str(compiled.last_traces[0])
+
+
 def test_constant_folding_with_package_imported():
     def fn(x):
         scale = torch.tensor([2.0])

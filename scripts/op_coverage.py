@@ -5,11 +5,12 @@ Run on 2 CPU ranks: ``torchrun --nproc-per-node 2 scripts/op_coverage.py`` (or `
 
 import argparse
 import pathlib
+import time
 
 import thunder_dtensor  # noqa: F401
 from thunder_dtensor.primitive import DTENSOR_PRIMS
 from thunder_dtensor.testing import init_distributed, mesh_1d
-from thunder_dtensor.testing.opinfo import MODEL_OPS, sweep, to_markdown
+from thunder_dtensor.testing.opinfo import MODEL_OPS, summary, sweep, to_markdown
 
 import torch.distributed as dist
 
@@ -41,16 +42,21 @@ All prims: {prims}
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default="docs/op_coverage.md")
-    parser.add_argument("--max-samples", type=int, default=2)
+    parser.add_argument("--max-samples", type=int, default=None, help="samples per op (default: all)")
+    parser.add_argument("--ops", default=None, help="comma-separated OpInfo names (default: MODEL_OPS)")
     args = parser.parse_args()
-    init_distributed(timeout_s=60)
-    results = sweep(MODEL_OPS, mesh_1d(), max_samples=args.max_samples, progress=dist.get_rank() == 0)
+    init_distributed(timeout_s=120)
+    names = args.ops.split(",") if args.ops else MODEL_OPS
+    start = time.perf_counter()
+    results = sweep(names, mesh_1d(), max_samples=args.max_samples, progress=dist.get_rank() == 0)
     if dist.get_rank() == 0:
         prims = ", ".join(f"`{name}`" for name in sorted(DTENSOR_PRIMS) if not name.endswith("_vjp_prim"))
-        text = HEADER.format(prims=prims) + to_markdown(results, dist.get_world_size())
+        text = HEADER.format(prims=prims) + to_markdown(results, dist.get_world_size(), max_samples=args.max_samples)
         pathlib.Path(args.output).write_text(text)
-        regressions = [r.name for r in results if r.regressions]
-        print(f"wrote {args.output}: {len(results)} ops; eager-passing samples thunder fails in: {regressions}")
+        print(f"wrote {args.output} in {time.perf_counter() - start:.0f} s: {summary(results)}")
+        for r in results:
+            for detail in r.regression_details:
+                print(f"eager passes, thunder_dtensor fails: {r.name} {detail}")
     dist.destroy_process_group()
 
 

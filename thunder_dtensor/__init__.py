@@ -18,7 +18,13 @@ if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor.errors import DTensorOpError
     from thunder_dtensor.executor import dtensor_ex
     from thunder_dtensor.guards import check_dtensor_spec_repr
-    from thunder_dtensor.primitive import DTENSOR_PRIMS, define_dtensor_prim, define_dtensor_symbol, define_vjp
+    from thunder_dtensor.primitive import (
+        DTENSOR_PRIMS,
+        define_dtensor_prim,
+        define_dtensor_symbol,
+        define_vjp,
+        prune_unused_vjp_gradients,
+    )
     from thunder_dtensor.proxy import DTensorProxy, is_dtensor_proxy, proxify_dtensor
     from thunder_dtensor.spec import DTensorMeta
 
@@ -27,7 +33,7 @@ if DISTRIBUTED_AVAILABLE:
         is_dtensor_proxy=is_dtensor_proxy,
         spec_check_prim=check_dtensor_spec_repr,
         prologue_spec_check=guards.add_prologue_spec_checks,
-        backward_cotangent_check=guards.match_cotangent_specs,
+        backward_cotangent_check=lambda trace: prune_unused_vjp_gradients(guards.match_cotangent_specs(trace)),
         cotangent_add=ops.pointwise.accumulate_cotangents,
         bind_dtensor_zeros=ops.factories.bind_zero_cotangent,
     )

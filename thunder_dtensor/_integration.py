@@ -19,6 +19,9 @@ What is patched, and why:
 * New torch functions / Tensor methods are added to thunder's map, method table and interpreter lookasides
   (``register_torch_function``, ``register_method``).
 * Placement constructors are called whole by the interpreter (``make_placements_opaque``).
+* The prologue reads the hook dicts (``_forward_hooks`` & co.) of the module passed to ``thunder.jit`` from
+  that module, not from its ``ThunderModule`` wrapper, whose own are empty: tensor-parallel styles on the
+  root module otherwise fail with ``KeyError`` (``read_root_module_state_from_user_module``).
 * thunderfx's splitter asks this package about nodes with DTensors or a device mesh, skips thunder's
   translation to its experimental prims, passes the mesh through its example-input metadata, and gives
   thunder.jit graph modules already compiled to Python (``install_thunderfx_support``).
@@ -38,54 +41,74 @@ import torch
 from looseversion import LooseVersion
 
 TORCH_VERSION = LooseVersion(torch.__version__.split("+")[0])
+#: the torch releases whose private names (listed above) this module was checked against
+TORCH_TESTED_RANGE = (LooseVersion("2.13"), LooseVersion("2.14"))
+if not (TORCH_TESTED_RANGE[0] <= TORCH_VERSION < TORCH_TESTED_RANGE[1]):
+    raise ImportError(
+        f"thunder_dtensor supports torch 2.13.x, found {torch.__version__}: the private torch names it uses "
+        "(thunder_dtensor/_integration.py) are checked for that release only; update that file for this one"
+    )
 
 #: Whether torch was built with ``torch.distributed``; the package imports without it.
 DISTRIBUTED_AVAILABLE: bool = torch.distributed.is_available()
 
-_REMOVED_NAMED_TENSOR_METHODS = ("align_as", "align_to", "has_names", "refine_names", "rename")
-
-
-def _named_tensor_placeholder(name: str) -> Callable:
-    def removed(*args: Any, **kwargs: Any) -> Any:
-        raise AttributeError(f"torch.Tensor.{name} does not exist in torch {torch.__version__}")
-
-    removed.__name__ = name
-    removed.__qualname__ = f"Tensor.{name}"
-    return removed
+import thunder_dtensor_autoload as _autoload  # noqa: E402
 
 
 @contextlib.contextmanager
 def _named_tensor_shims() -> Iterator[dict[str, Callable]]:
     """Temporarily provide the named-tensor methods thunder 0.2.x references at import time."""
-    missing = {n: _named_tensor_placeholder(n) for n in _REMOVED_NAMED_TENSOR_METHODS if not hasattr(torch.Tensor, n)}
+    missing = {
+        name: _autoload.named_tensor_placeholder(name, torch.__version__)
+        for name in _autoload.REMOVED_NAMED_TENSOR_METHODS
+        if not hasattr(torch.Tensor, name)
+    }
     for name, fn in missing.items():
         setattr(torch.Tensor, name, fn)
     try:
         yield missing
     finally:
-        for name in missing:
+        for name, fn in missing.items():
+            if getattr(torch.Tensor, name, None) is fn:
+                delattr(torch.Tensor, name)
+
+
+def _drop_named_tensor_placeholders(placeholders: dict[str, Callable]) -> None:
+    """Remove the placeholders from ``torch.Tensor`` and from the tables thunder filled with them."""
+    if not placeholders:
+        return
+    import thunder.torch.default_torch_ops as default_ops
+    from thunder.core import jit_ext
+    from thunder.torch import _torch_to_thunder_function_map
+    from thunder.torch.langctx import _method_name_to_fn_map
+
+    dropped = set(placeholders.values())
+    for name, fn in placeholders.items():
+        if getattr(torch.Tensor, name, None) is fn:
             delattr(torch.Tensor, name)
+        _torch_to_thunder_function_map.pop(fn, None)
+        jit_ext._general_jit_lookaside_map.pop(fn, None)
+        _method_name_to_fn_map.pop(name, None)
+    ops = default_ops.torch_auto_registered_ops[torch.Tensor]
+    ops[:] = [fn for fn in ops if fn not in dropped]
 
 
 def _import_thunder() -> types.ModuleType:
+    """thunder, imported with the named-tensor placeholders it needs on torch >= 2.13, then cleaned up.
+
+    thunder may have been imported before this package (see ``thunder_dtensor_autoload``): the
+    placeholders it was given then are removed here too.
+    """
+    placeholders = dict(_autoload.installed_placeholders)
+    _autoload.installed_placeholders.clear()
     if "thunder" in sys.modules and hasattr(sys.modules["thunder"], "jit"):
+        _drop_named_tensor_placeholders(placeholders)
         return sys.modules["thunder"]
     with _named_tensor_shims() as shims:
         import thunder
-        import thunder.torch.default_torch_ops as default_ops
-        from thunder.core import jit_ext
-        from thunder.torch import _torch_to_thunder_function_map
 
-        placeholders = set(shims.values())
-        if placeholders:
-            ops = default_ops.torch_auto_registered_ops[torch.Tensor]
-            ops[:] = [fn for fn in ops if fn not in placeholders]
-            from thunder.torch.langctx import _method_name_to_fn_map
-
-            for fn in placeholders:
-                _torch_to_thunder_function_map.pop(fn, None)
-                jit_ext._general_jit_lookaside_map.pop(fn, None)
-                _method_name_to_fn_map.pop(fn.__name__, None)
+        placeholders.update(shims)
+        _drop_named_tensor_placeholders(placeholders)
     return thunder
 
 
@@ -213,7 +236,10 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------
 # torch internals
 # ---------------------------------------------------------------------------------------------------------
-from torch._subclasses.fake_tensor import DataDependentOutputException  # noqa: E402
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException  # noqa: E402
+
+#: what a fake run raises when the answer depends on the data: nothing is known about the op then
+UNKNOWABLE_ON_FAKE_TENSORS = (DataDependentOutputException, DynamicOutputShapeException)
 
 if DISTRIBUTED_AVAILABLE:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -261,12 +287,27 @@ def spec_with_sizes(spec: Any, shape: Any, stride: Any) -> Any:
 
 @functools.lru_cache(maxsize=1024)
 def canonical_spec_repr(spec: Any) -> str:
-    """``repr(spec)`` with the global shape and stride written as tuples, so equal specs read the same.
+    """Everything of ``spec`` that shapes a traced program, as one string: the prologue compares it.
 
-    A spec may hold a ``torch.Size`` or a tuple (a DTensor made by inductor vs. one made eagerly); the two
-    compare equal but print differently. Memoised: ``DTensorSpec`` is a hashable value.
+    ``repr(spec)`` is not enough: a ``DeviceMesh`` prints its shape, not its ranks, so meshes with the same
+    ranks in another order read the same. Written out: the mesh's device type, full rank layout and dim
+    names; each placement's repr (Shard dim, Partial reduce op, ``_StridedShard`` split factor); the shard
+    order; the global shape and stride as tuples of ints (a spec made by inductor holds tuples where an
+    eager one holds ``torch.Size``); the dtype.
+
+    Memoised on the spec, so a cache hit costs one hash (cached by the spec) and one ``__eq__``. That is
+    sound only because ``DTensorSpec.__eq__`` (torch 2.13) compares everything written here: the mesh by
+    rank map, layout, device type and dim names; placements by value (type, dim, reduce op, split
+    factor); shard order, shape, stride and dtype. tests/distributed/test_guards.py fails if it stops.
     """
-    return repr(spec_with_sizes(spec, spec.tensor_meta.shape, spec.tensor_meta.stride))
+    mesh, meta = spec.mesh, spec.tensor_meta
+    placements = ", ".join(repr(p) for p in spec.placements)
+    shard_order = getattr(spec, "shard_order", None)
+    return (
+        f"mesh={mesh.device_type}:{mesh.mesh.tolist()} names={mesh.mesh_dim_names} placements=({placements}) "
+        f"shard_order={shard_order!r} shape={tuple(size_hint(s) for s in meta.shape)} "
+        f"stride={tuple(size_hint(s) for s in meta.stride)} dtype={meta.dtype}"
+    )
 
 
 def dtensor_around(local: torch.Tensor, spec: Any) -> Any:
@@ -293,8 +334,23 @@ def clear_sharding_propagation_cache() -> None:
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
-def fake_tensor_mode() -> Any:
-    return FakeTensorMode(allow_non_fake_inputs=True)
+@contextlib.contextmanager
+def fake_tensor_mode() -> Iterator[Any]:
+    """Fake tensor mode for trace-time runs of torch ops.
+
+    An op that fails there is reported by this package (as a ``DTensorOpError``); fake tensor's own log of
+    the failing meta kernel is muted meanwhile.
+    """
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -582,3 +638,160 @@ def install_thunderfx_support(dtensor_node_support: Callable) -> None:
     fx_utils.input_to_example_input_meta = input_to_example_input_meta
     fx_splitter.translate_dtensor_ops = lambda gm: None
     fx_compiler._splitter = splitter
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hooks on the module passed to thunder.jit (thunder 0.2.6 layout)
+# ---------------------------------------------------------------------------------------------------------
+#: Per-instance state every ``nn.Module`` holds (hook dicts and the like), which ``ThunderModule`` therefore
+#: holds too, for itself. thunder unpacks ``_parameters`` / ``_buffers`` / ``_modules`` by name and deletes
+#: its own ``training``; every other such attribute of the jitted module must be read from the user's module.
+_UNPACKED_BY_THUNDER = {"training", "_parameters", "_buffers", "_modules"}
+_WRAPPER_SHADOWED_MODULE_STATE = frozenset(vars(torch.nn.Module())) - _UNPACKED_BY_THUNDER
+
+
+def read_root_module_state_from_user_module() -> None:
+    """Make the prologue read the jitted module's hook dicts from that module, not from its ``ThunderModule``.
+
+    ``thunder.jit(module)`` interprets ``module.__call__``, whose ``_call_impl`` reads ``self._forward_hooks``
+    & co. The prologue re-reads what the trace depends on (e.g. the ``use_local_output`` flag inside a
+    tensor-parallel hook's closure) from ``get_thunder_module(module)``, the ``ThunderModule``; it forwards
+    unknown attributes to the user's module, but hook dicts are its own (empty) ones, so the prologue fails
+    (``KeyError``). thunder reads *callable* attributes of that module from the user's module instead; we
+    mark the provenance of these state attributes the same way, so only the prologue's source object changes.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    thunder_getattr = jit_ext._general_jit_lookaside_map[getattr]
+    if getattr(thunder_getattr, "_reads_root_module_state_from_user_module", False):
+        return
+
+    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
+        value = thunder_getattr(obj, name, *maybe_default)
+        if (
+            value is not interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+            and isinstance(interpreter.unwrap(obj), torch.nn.Module)
+            and interpreter.unwrap(name) in _WRAPPER_SHADOWED_MODULE_STATE
+        ):
+            record = value.provenance
+            if (
+                record.inst is interpreter.PseudoInst.LOAD_ATTR
+                and record.inputs[0].ext_flag & jit_ext.EXT_FLAG_IS_MODULE
+                and record.inputs[1].value == interpreter.unwrap(name)
+            ):
+                record.ext_flag |= jit_ext.EXT_FLAG_IS_CALLABLE
+        return value
+
+    getattr_lookaside._reads_root_module_state_from_user_module = True  # type: ignore[attr-defined]
+    jit_ext._general_jit_lookaside_map[getattr] = getattr_lookaside
+
+
+if DISTRIBUTED_AVAILABLE:
+    read_root_module_state_from_user_module()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-place ops (thunder 0.2.6 layout; used by ops/inplace.py)
+#
+# thunder 0.2.6 keeps in-place ops in its traces: a torch symbol tagged ``OpTags.IN_PLACE`` computes the new
+# value and copies it into its first argument; ``thunder.core.update_aliases`` then inserts
+# ``update_aliases`` lines so that later reads see the new value. Those lines are built for plain tensors.
+# ---------------------------------------------------------------------------------------------------------
+def inplace_torchsymbol(name: str) -> Callable[[Callable], Symbol]:
+    """Like :func:`torchsymbol`, tagged ``IN_PLACE``: thunder's alias updates treat its first argument as written.
+
+    thunder's decorator also records an out-of-place twin for its own tests (``_inplace_to_out_of_place``);
+    a DTensor in-place symbol has none, so the entry is dropped again.
+    """
+
+    def decorate(fn: Callable) -> Symbol:
+        make = ltorch.torchsymbol(
+            id=f"thunder_dtensor.{name}", allow_tensor_subclass_proxy=True, tags=(OpTags.IN_PLACE,), out_of_place=fn
+        )
+        sym = make(fn)
+        ltorch._inplace_to_out_of_place.pop(sym, None)
+        return sym
+
+    return decorate
+
+
+def grad_enabled_while_tracing() -> bool:
+    """Whether the function being traced runs with autograd on (thunder records it when jitting starts)."""
+    from thunder.core.compile_data import get_compile_data
+
+    cd = get_compile_data()
+    return bool(cd.is_grad_enabled) if cd is not None else torch.is_grad_enabled()
+
+
+def inplace_argument_index(symbol: Any) -> int | None:
+    """Position of the ``inplace`` parameter of a thunder torch symbol (``relu(a, inplace=False)``), if any."""
+    entry = ltorch._inplace_to_out_of_place.get(symbol) if isinstance(symbol, Symbol) else None
+    if entry is None or entry[0] is not symbol or entry[1] < 0:
+        return None
+    return entry[1]
+
+
+def keep_dtensors_in_alias_updates(is_dtensor_proxy: Callable, new_alias: Callable, update_aliases_prim: Symbol) -> None:
+    """Make thunder's alias updates keep DTensor proxies and run on the dtensor executor.
+
+    * ``new_alias(p)`` makes the proxy for the updated alias of the DTensor proxy ``p``; thunder would make a
+      plain ``TensorProxy``, losing the spec.
+    * An ``update_aliases`` line over DTensors binds ``update_aliases_prim`` instead of thunder's prim, which
+      the torch executor would run on DTensors.
+    """
+    import thunder.core.update_aliases as update_aliases
+
+    thunder_new_alias = update_aliases._get_new_alias
+    thunder_update_bsym = update_aliases._get_update_bsym
+
+    def get_new_alias(alias: Any, trace: Any) -> Any:
+        if not is_dtensor_proxy(alias.proxy):
+            return thunder_new_alias(alias, trace)
+        with tracectx(trace):
+            return new_alias(alias.proxy)
+
+    def get_update_bsym(group: Any, swap_map: dict, new_aliases: tuple) -> tuple:
+        bsym, swap_map = thunder_update_bsym(group, swap_map, new_aliases)
+        if any(is_dtensor_proxy(p) for p in bsym.flat_proxy_args):
+            bsym = bsym.from_bsym(sym=update_aliases_prim)
+        return bsym, swap_map
+
+    update_aliases._get_new_alias = get_new_alias
+    update_aliases._get_update_bsym = get_update_bsym
+
+
+def local_shards_alias(a: Any, b: Any) -> bool:
+    """Whether two DTensors' local shards share memory (``a`` a view of ``b``), on real and fake tensors alike."""
+    return torch._C._is_alias_of(local_tensor(a), local_tensor(b))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compiled-program hook (thunder 0.2.6 layout; used by consistency.py)
+# ---------------------------------------------------------------------------------------------------------
+def install_compiled_program_hook(on_compiled: Callable[[Any, Any], None]) -> None:
+    """Call ``on_compiled(computation_trace, backward_trace_or_None)`` each time thunder.jit finishes a program.
+
+    thunder 0.2.6 ends each compilation by building a ``CacheEntry`` (a namedtuple in ``thunder``'s module)
+    from the final traces, before the program first runs; we rebind that name to a subclass whose
+    constructor calls the hook first. An exception from the hook fails the call that compiled, and nothing
+    is cached. Installed once; the traces are those the entry runs (the forward as before its conversion
+    to torch types, which changes no dtensor op).
+    """
+    base = thunder.CacheEntry
+    if getattr(base, "_thunder_dtensor_compiled_hook", None) is not None:
+        return
+    fields = set(base._fields)
+    if not {"computation_traces", "backward_traces"} <= fields:
+        raise ImportError(f"thunder {thunder.__version__}: CacheEntry has fields {base._fields}; update _integration")
+
+    class CacheEntry(base):
+        __slots__ = ()
+        _thunder_dtensor_compiled_hook = on_compiled
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            entry = super().__new__(cls, *args, **kwargs)
+            backward = entry.backward_traces[-1] if entry.backward_traces else None
+            on_compiled(entry.computation_traces[-1], backward)
+            return entry
+
+    thunder.CacheEntry = CacheEntry

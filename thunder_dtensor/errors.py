@@ -1,4 +1,4 @@
-"""Errors that name the op, its inputs' placements and a hint."""
+"""Errors that name the op, its inputs' placements and a hint that fits the cause."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 
-__all__ = ["DTensorOpError", "describe_argument"]
+__all__ = ["DTensorOpError", "describe_argument", "structural_hint"]
 
 
 def describe_argument(x: Any) -> str:
@@ -19,23 +19,57 @@ def describe_argument(x: Any) -> str:
     return repr(x)
 
 
+def _tensors(args: tuple, kwargs: dict) -> list:
+    flat, _ = ti.tree_flatten((args, kwargs))
+    return [a for a in flat if isinstance(a, ti.TensorProxy)]
+
+
+def structural_hint(args: tuple, kwargs: dict) -> str | None:
+    """The hint for causes visible from the inputs alone (plain tensors, several meshes), else None."""
+    from thunder_dtensor.proxy import DTensorProxy
+
+    tensors = _tensors(args, kwargs)
+    # eager DTensor accepts 0-dim plain tensors as scalars
+    if any(not isinstance(t, DTensorProxy) and t.ndim > 0 for t in tensors):
+        return (
+            "convert every torch.Tensor argument to a DTensor first, with DTensor.from_local(t, mesh, placements) "
+            "or distribute_tensor(t, mesh, placements), as eager DTensor requires"
+        )
+    meshes = []
+    for t in tensors:
+        if isinstance(t, DTensorProxy) and not any(t.device_mesh is m or _same_mesh(t.device_mesh, m) for m in meshes):
+            meshes.append(t.device_mesh)
+    if len(meshes) > 1:
+        return (
+            f"the inputs live on {len(meshes)} different device meshes ({', '.join(map(_mesh_layout, meshes))}); "
+            "a DTensor op takes inputs of one mesh: create them on the same DeviceMesh (or move one with "
+            "distribute_tensor(x.full_tensor(), mesh, placements))"
+        )
+    return None
+
+
+def _mesh_layout(mesh: Any) -> str:
+    return f"{mesh.device_type} ranks {mesh.mesh.tolist()}"
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    return a == b and a.mesh.tolist() == b.mesh.tolist()
+
+
 class DTensorOpError(RuntimeError):
-    """A DTensor op that cannot run on the given inputs, reported at trace time."""
+    """A DTensor op that cannot run on the given inputs, reported at trace time.
 
-    def __init__(self, op_name: str, args: tuple, kwargs: dict, cause: BaseException | str):
-        from thunder_dtensor.proxy import DTensorProxy
+    ``hint`` says what to do about this cause; without one, the hint follows from the inputs (plain
+    tensors, several meshes) or points at redistribution in general.
+    """
 
-        flat, _ = ti.tree_flatten((args, kwargs))
-        tensors = [a for a in flat if isinstance(a, ti.TensorProxy)]
+    def __init__(self, op_name: str, args: tuple, kwargs: dict, cause: BaseException | str, hint: str | None = None):
         lines = [f"{op_name}: {cause}"]
-        lines += [f"  input {i}: {describe_argument(t)}" for i, t in enumerate(tensors)]
-        if any(not isinstance(t, DTensorProxy) for t in tensors):
-            hint = (
-                "convert every torch.Tensor argument to a DTensor first, with DTensor.from_local(t, mesh, placements) "
-                "or distribute_tensor(t, mesh, placements), as eager DTensor requires"
-            )
-        else:
-            hint = "redistribute the inputs to placements this op supports, e.g. x.redistribute(mesh, [Replicate()])"
+        lines += [f"  input {i}: {describe_argument(t)}" for i, t in enumerate(_tensors(args, kwargs))]
+        hint = structural_hint(args, kwargs) or hint
+        if hint is None:
+            hint = "redistribute the inputs to placements this op supports (DTensor.redistribute)"
         lines.append(f"  hint: {hint}")
         super().__init__("\n".join(lines))
         self.op_name = op_name
+        self.hint = hint

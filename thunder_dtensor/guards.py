@@ -8,22 +8,50 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy
 
-__all__ = ["check_dtensor_spec_repr", "check_dtensor_local_metadata", "dtensor_cotangent_to_spec_prim"]
+__all__ = ["check_dtensor_spec_repr", "dtensor_cotangent_to_spec_prim", "dtensor_input_key"]
 
 
 def _always(*args: Any, **kwargs: Any) -> bool:
     return True
 
 
-# --- check_dtensor_spec_repr: the prologue's check of mesh, placements, global shape, stride and dtype -----
-def _check_dtensor_spec_repr_meta(spec: ti.AnyProxy, expected: str) -> None:
-    ti.check(isinstance(expected, str), lambda: f"expected a spec repr string, got {type(expected)}")
+# --- check_dtensor_spec_repr: the prologue's check of one DTensor input ------------------------------------
+# A DTensor input is accepted only when everything that shapes the traced program is what it was traced for:
+# the spec (mesh with its full rank layout and dim names, placements, shard order, global shape and stride,
+# dtype; see ``canonical_spec_repr``), requires_grad, and the local shard's shape and stride. thunder's own
+# check of the DTensor (global shape, device, dtype, requires_grad) stays, and runs after this one.
+DTensorInputKey = tuple  # (canonical spec repr, requires_grad, local shape, local stride)
 
 
-def _check_dtensor_spec_repr_impl(spec: Any, expected: str) -> None:
-    actual = ti.canonical_spec_repr(spec)  # memoised: one dict probe per call
+def dtensor_input_key(dtensor: Any, spec: Any = None, local: Any = None) -> DTensorInputKey:
+    """What the prologue compares for a runtime DTensor input: one tuple, one comparison.
+
+    ``spec`` and ``local`` are the DTensor's spec and local shard (the prologue reads them as attributes).
+    The spec's part is memoised (a dict probe); the local shape stays a ``torch.Size``, which compares equal
+    to the traced tuple.
+    """
+    spec = ti.dtensor_spec(dtensor) if spec is None else spec
+    local = ti.local_tensor(dtensor) if local is None else local
+    return (ti.canonical_spec_repr(spec), dtensor.requires_grad, local.shape, local.stride())
+
+
+def traced_input_key(dtensor: DTensorProxy) -> DTensorInputKey:
+    """The key a DTensor input proxy was traced for (the prologue's expected value)."""
+    meta = dtensor.meta
+    ti.check(meta.local_stride is not None, lambda: f"DTensor input {dtensor.name} has no recorded local stride")
+    return (meta.spec_repr(), bool(dtensor.requires_grad), tuple(meta.local_shape), tuple(meta.local_stride))
+
+
+def _check_dtensor_spec_repr_meta(dtensor: Any, spec: Any, local: Any, expected: DTensorInputKey) -> None:
+    ti.check(isinstance(expected, tuple), lambda: f"expected a DTensor input key tuple, got {type(expected)}")
+
+
+def _check_dtensor_spec_repr_impl(dtensor: Any, spec: Any, local: Any, expected: DTensorInputKey) -> None:
+    actual = dtensor_input_key(dtensor, spec, local)
     if actual != expected:
-        raise RuntimeError(f"DTensor spec changed: traced for {expected}, called with {actual}")
+        fields = ("spec", "requires_grad", "local shape", "local stride")
+        diff = "; ".join(f"{f}: traced {e}, called with {a}" for f, e, a in zip(fields, expected, actual) if e != a)
+        raise RuntimeError(f"DTensor input changed ({diff})")
 
 
 check_dtensor_spec_repr = ti.make_prim(
@@ -33,54 +61,31 @@ check_dtensor_spec_repr = ti.make_prim(
     tags=(ti.OpTags.DONT_DCE,),
 )
 # The prologue runs only thunder's python executor plus "always" executors, and keeps a symbol that already
-# names its executor: the prologue therefore records these executor operators directly.
+# names its executor: the prologue therefore records this executor operator directly.
 _run_check_dtensor_spec_repr = dtensor_ex.register_operator(
     "check_dtensor_spec_repr", like=check_dtensor_spec_repr, fn=_check_dtensor_spec_repr_impl
 )
 dtensor_ex.register_implementation(check_dtensor_spec_repr, _run_check_dtensor_spec_repr, checker=_always)
 
 
-# --- check_dtensor_local_metadata: the local shard's shape, dtype and device ------------------------------
-def _check_local_meta(local: ti.TensorProxy, shape: tuple, dtype: Any, device: str) -> None:
-    ti.check(isinstance(local, ti.TensorProxy), lambda: f"expected a tensor proxy, got {type(local)}")
-
-
-def _check_local_impl(local: Any, shape: tuple, dtype: Any, device: str) -> None:
-    if tuple(local.shape) != shape or local.dtype != dtype or str(local.device) != device:
-        raise RuntimeError(
-            f"DTensor local tensor changed: traced for {shape} {dtype} {device}, "
-            f"called with {tuple(local.shape)} {local.dtype} {local.device}"
-        )
-
-
-check_dtensor_local_metadata = ti.make_prim(
-    "thunder_dtensor.check_dtensor_local_metadata",
-    "check_dtensor_local_metadata",
-    meta=_check_local_meta,
-    tags=(ti.OpTags.DONT_DCE,),
-)
-_run_check_dtensor_local_metadata = dtensor_ex.register_operator(
-    "check_dtensor_local_metadata", like=check_dtensor_local_metadata, fn=_check_local_impl
-)
-dtensor_ex.register_implementation(check_dtensor_local_metadata, _run_check_dtensor_local_metadata, checker=_always)
-
-
 def add_prologue_spec_checks(prim: Any, prologue_trace: ti.TraceCtx, args: tuple) -> bool:
-    """thunder's prologue hook: expand our DTensor input constraint into spec and local-tensor checks."""
+    """thunder's prologue hook: expand our DTensor input constraint into one check of the input's key.
+
+    The prologue reads ``x._spec`` and ``x._local_tensor`` and compares one tuple. thunder records the
+    constraint as ``(prim, proxy, runtime spec)``; the expected key comes from the proxy, which was made
+    from that runtime DTensor (its local stride included).
+    """
     if prim is not check_dtensor_spec_repr:
         return False
     dtensor, _runtime_spec = args
     ti.check(isinstance(dtensor, DTensorProxy), lambda: f"expected a DTensorProxy, got {type(dtensor)}")
     spec = ti.AnyProxy(_runtime_spec, prefix="dtensor_spec")
     prologue_trace.bound_symbols.append(ti.bind_unpack_dtensor_spec(dtensor, spec))
-    _run_check_dtensor_spec_repr(spec, dtensor.meta.spec_repr())
-
     local = ti.TensorProxy(
         prefix="local", shape=dtensor.local_shape, dtype=dtensor.dtype, device=dtensor.device, requires_grad=False
     )
     prologue_trace.bound_symbols.append(ti.bind_unpack_local_tensor(dtensor, local))
-    torch_device = str(ti.devices.to_torch_device(dtensor.device))
-    _run_check_dtensor_local_metadata(local, dtensor.local_shape, ti.dtypes.to_torch_dtype(dtensor.dtype), torch_device)
+    _run_check_dtensor_spec_repr(dtensor, spec, local, traced_input_key(dtensor))
     return True
 
 
@@ -142,3 +147,9 @@ def make_cotangent_proxy(a: Any) -> DTensorProxy | None:
     if not isinstance(a, DTensorProxy):
         return None
     return DTensorProxy(meta=a.meta.as_cotangent(), device=a.device, requires_grad=a.requires_grad)
+
+
+# --- compile time: every rank compiled the same DTensor ops (opt-in, see consistency.py) ------------------
+from thunder_dtensor import consistency  # noqa: E402
+
+ti.install_compiled_program_hook(consistency.check_compiled_program)

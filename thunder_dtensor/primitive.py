@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.errors import DTensorOpError
+from thunder_dtensor.errors import DTensorOpError, structural_hint
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy, proxy_for_value
 
@@ -73,10 +73,88 @@ def _to_proxy(x: Any, requires_grad: bool, input_meshes: list) -> Any:
     return proxy_for_value(x, requires_grad=requires_grad)
 
 
+def _runs_on_fake(torch_fn: Callable, args: tuple, kwargs: dict, stand_in: Callable) -> Exception | None:
+    """Run ``torch_fn`` on fake stand-ins of the proxies; the exception it raises, or None."""
+    try:
+        with ti.fake_tensor_mode():
+            fake_args, fake_kwargs = ti.tree_map(stand_in, (args, kwargs))
+            torch_fn(*fake_args, **fake_kwargs)
+    except Exception as e:
+        return e
+    return None
+
+
+def _plain_stand_in(x: Any) -> Any:
+    """A plain tensor of the proxy's global shape: the op without any distribution."""
+    if isinstance(x, DTensorProxy):
+        return torch.empty(x.shape, dtype=x.meta.dtype, device=ti.devices.to_torch_device(x.device))
+    return _stand_in(x)
+
+
+def _replicated_stand_in(replicate: set[int]) -> Callable:
+    """Stand-ins in which the DTensor proxies with the given ids are Replicate on their mesh."""
+
+    def stand_in(x: Any) -> Any:
+        if isinstance(x, DTensorProxy) and id(x) in replicate:
+            spec = ti.make_spec(x.device_mesh, (ti.Replicate(),) * x.device_mesh.ndim, x.meta.spec.tensor_meta)
+            device = ti.devices.to_torch_device(x.device)
+            return ti.dtensor_around(torch.empty(x.shape, dtype=x.meta.dtype, device=device), spec)
+        return _stand_in(x)
+
+    return stand_in
+
+
+def suggest_fix(torch_fn: Callable, args: tuple, kwargs: dict) -> str | None:
+    """A hint for an op DTensor rejected, found by asking DTensor (on fake tensors) what it would accept.
+
+    If the op fails on plain tensors of the global shapes too, the placements are not the cause. Otherwise
+    the first redistribution eager accepts is suggested: one input to Replicate, else all of them.
+    """
+    tensors = [a for a in ti.tree_flatten((args, kwargs))[0] if isinstance(a, ti.TensorProxy)]
+    plain_error = _runs_on_fake(torch_fn, args, kwargs, _plain_stand_in)
+    if plain_error is not None and not isinstance(plain_error, ti.UNKNOWABLE_ON_FAKE_TENSORS):
+        shapes = ", ".join(f"input {i}: {list(t.shape)}" for i, t in enumerate(tensors))
+        return (
+            f"the op fails on plain tensors of these global shapes too ({shapes}: "
+            f"{type(plain_error).__name__}: {str(plain_error).splitlines()[0]}); fix the shapes or arguments, "
+            "the placements are not the cause"
+        )
+    sharded = [
+        (i, t)
+        for i, t in enumerate(tensors)
+        if isinstance(t, DTensorProxy) and any(not p.is_replicate() for p in t.placements)
+    ]
+    candidates = [[entry] for entry in sharded] + ([sharded] if len(sharded) > 1 else [])
+    unknowable = None
+    for candidate in candidates:
+        error = _runs_on_fake(torch_fn, args, kwargs, _replicated_stand_in({id(t) for _, t in candidate}))
+        names = " and ".join(f"input {i}" for i, _ in candidate)
+        redistribute = f"x.redistribute(mesh, [Replicate()] * {candidate[0][1].device_mesh.ndim})"
+        if error is None:
+            return f"eager DTensor accepts this op with {names} replicated: {redistribute} before the call"
+        if isinstance(error, ti.UNKNOWABLE_ON_FAKE_TENSORS) and unknowable is None:
+            unknowable = (
+                f"try {names} replicated ({redistribute}); the op's output shape depends on the data, so "
+                "DTensor's acceptance could not be checked at trace time"
+            )
+    if unknowable is not None:
+        return unknowable
+    return (
+        "DTensor has no sharding strategy for this op on these inputs, replicated or not: run it on local "
+        "tensors (x.to_local() / x.full_tensor()) and wrap the result with DTensor.from_local"
+    )
+
+
 def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
     """Run ``torch_fn`` on fake DTensors shaped like the proxies; return proxies for its outputs."""
     flat, _ = ti.tree_flatten((args, kwargs))
     requires_grad = any(isinstance(a, ti.TensorProxy) and a.requires_grad for a in flat)
+
+    def rejected(e: Exception) -> DTensorOpError:
+        # DTensor's own rejection, reported with our context and a hint that fits its cause
+        hint = None if structural_hint(args, kwargs) else suggest_fix(torch_fn, args, kwargs)
+        return DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}", hint=hint)
+
     try:
         with ti.fake_tensor_mode():
             fake_args, fake_kwargs = ti.tree_map(_stand_in, (args, kwargs))
@@ -88,9 +166,9 @@ def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kw
             zero_args, zero_kwargs = ti.tree_map(lambda x: _stand_in(x, torch.zeros), (args, kwargs))
             out = torch_fn(*zero_args, **zero_kwargs)
         except Exception as e:
-            raise DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}") from e
-    except Exception as e:  # DTensor's own rejection, reported with our context
-        raise DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}") from e
+            raise rejected(e) from e
+    except Exception as e:
+        raise rejected(e) from e
     if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
         out = tuple(out)
     input_meshes = [a.device_mesh for a in flat if isinstance(a, DTensorProxy)]
@@ -184,8 +262,13 @@ def _forward_with_leaves(torch_fn: Callable, flat: list, spec: Any, indices: tup
     return leaves, outs
 
 
+#: names of the generic vjp prims (and of their executor operators), whose gradients a backward may partly need
+GENERIC_VJP_NAMES: set[str] = set()
+
+
 def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> None:
     vjp_prim = define_dtensor_prim(f"{name}_vjp", functools.partial(run_vjp, runtime_fn), differentiable=False)
+    GENERIC_VJP_NAMES.add(vjp_prim.name)
 
     def grad_rule(*args: Any, **kwargs: Any) -> Any:
         out = prim(*args, **kwargs)
@@ -205,6 +288,38 @@ def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> N
         return out
 
     ti.register_grad(prim, grad_rule)
+
+
+def prune_unused_vjp_gradients(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
+    """Make each generic vjp compute only the gradients the backward uses.
+
+    A generic vjp computes the gradients of all its differentiable inputs in one torch autograd call, so
+    dead-code elimination cannot drop one of them: a frozen weight's gradient (a matmul, say) would still be
+    computed. Walking the backward from its return, this narrows each vjp's ``diff_indices`` to the outputs
+    that are read later (and drops a vjp nothing reads), as eager's autograd skips inputs that need no grad.
+    """
+    used: set = set()
+    kept: list = []
+    for bsym in reversed(backward_trace.bound_symbols):
+        if bsym.sym.name in GENERIC_VJP_NAMES:  # the prim, or its dtensor_ex operator after claiming
+            args, kwargs, cotangents, diff_indices = bsym.args
+            outs = tuple(bsym.output)
+            needed = [i for i, o in enumerate(outs) if isinstance(o, ti.Proxy) and ti.variableify(o) in used]
+            if not needed:
+                continue
+            if len(needed) < len(outs):
+                narrowed = {
+                    "args": (args, kwargs, cotangents, tuple(diff_indices[i] for i in needed)),
+                    "output": tuple(outs[i] for i in needed),
+                }
+                # the prim the executor operator was claimed from is its subsymbol: narrow it alike
+                subsymbols = [sub.from_bsym(**narrowed) for sub in bsym.subsymbols]
+                bsym = bsym.from_bsym(**narrowed, subsymbols=subsymbols)
+        used.update(ti.variableify(a) for a in bsym.flat_proxy_args)
+        kept.append(bsym)
+    new_trace = ti.from_trace(backward_trace)
+    new_trace.bound_symbols = kept[::-1]
+    return new_trace
 
 
 def define_vjp(prim: ti.Symbol) -> Callable[[Callable], Callable]:

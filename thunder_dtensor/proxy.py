@@ -86,10 +86,12 @@ def proxy_for_value(
     ``spec`` replaces a DTensor's own spec. Symbolic sizes (dynamo's dynamic shapes) read as their hints.
     """
     if ti.DISTRIBUTED_AVAILABLE and isinstance(x, ti.DTensor):
-        local_shape = tuple(ti.size_hint(s) for s in ti.local_tensor(x).shape)
+        local = ti.local_tensor(x)
+        local_shape = tuple(ti.size_hint(s) for s in local.shape)
+        local_stride = tuple(ti.size_hint(s) for s in local.stride())  # the prologue guards it
         return DTensorProxy(
             name,
-            meta=DTensorMeta.from_spec(ti.dtensor_spec(x) if spec is None else spec, local_shape),
+            meta=DTensorMeta.from_spec(ti.dtensor_spec(x) if spec is None else spec, local_shape, local_stride),
             device=ti.devices.to_device(x.device),
             requires_grad=requires_grad,
             history=history,

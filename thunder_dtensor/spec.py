@@ -22,19 +22,24 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class DTensorMeta:
-    """A DTensor's spec (mesh, placements, global shape, stride, dtype) plus this rank's local shape.
+    """A DTensor's spec (mesh, placements, global shape, stride, dtype) plus this rank's local shard.
 
     The spec is torch's own ``DTensorSpec``, a hashable value; it is what the prologue checks and what
-    sharding propagation consumes.
+    sharding propagation consumes. ``local_stride`` is known for values read from a runtime DTensor (program
+    inputs, which the prologue guards) and None where nothing fixes it (cotangent specs, zeros).
     """
 
     spec: Any
     local_shape: tuple[int, ...]
+    local_stride: tuple[int, ...] | None = None
 
     @classmethod
-    def from_spec(cls, spec: Any, local_shape: tuple[int, ...]) -> DTensorMeta:
+    def from_spec(
+        cls, spec: Any, local_shape: tuple[int, ...], local_stride: tuple[int, ...] | None = None
+    ) -> DTensorMeta:
         ti.check(spec.tensor_meta is not None, lambda: f"DTensor spec without tensor metadata: {spec}")
-        return cls(spec, tuple(int(s) for s in local_shape))
+        stride = None if local_stride is None else tuple(int(s) for s in local_stride)
+        return cls(spec, tuple(int(s) for s in local_shape), stride)
 
     @property
     def mesh(self) -> Any:
@@ -60,7 +65,8 @@ class DTensorMeta:
         return f"mesh={self.mesh}, placements={self.placements}"
 
     def spec_repr(self) -> str:
-        """The string the prologue compares with the runtime spec: mesh, placements, shape, stride, dtype."""
+        """The string the prologue compares with the runtime spec: mesh (device type, ranks, dim names),
+        placements, shard order, global shape, stride and dtype (see ``canonical_spec_repr``)."""
         return ti.canonical_spec_repr(self.spec)
 
     def as_cotangent(self) -> DTensorMeta:

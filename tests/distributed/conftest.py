@@ -14,9 +14,14 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if "WORLD_SIZE" not in os.environ:
-        skip = pytest.mark.skip(reason="multi-rank test: run under torchrun (see Makefile)")
-        for item in items:
-            item.add_marker(skip)
+        if any("tests/distributed" in str(item.path) for item in items):
+            # skipping would report green without running anything
+            pytest.exit(
+                "tests/distributed are multi-rank tests: run them under torchrun, e.g. "
+                "`torchrun --nproc-per-node 2 -m pytest tests/distributed` (and --nproc-per-node 4), "
+                "or `make test`, which also runs tests/unit",
+                returncode=pytest.ExitCode.USAGE_ERROR,
+            )
         return
     ws = int(os.environ["WORLD_SIZE"])
     # a single-GPU CUDA check runs the default (2-rank) tests on a 1-rank mesh
@@ -39,3 +44,26 @@ def distributed():
 
     dist.barrier()
     dist.destroy_process_group()
+
+
+# --- collectives report: cases where the jit does more collectives than eager DTensor (run_case records them) ---
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Rank 0 prints the cases with more collectives than eager; ``THUNDER_DTENSOR_COMM_REPORT`` writes them all.
+
+    The path may hold ``{world_size}`` so that the 2- and 4-rank runs write apart.
+    """
+    if "WORLD_SIZE" not in os.environ or os.environ.get("RANK", "0") != "0":
+        return
+    from thunder_dtensor.testing import COMM_COMPARISONS, comm_report, write_comm_report
+
+    lines = comm_report()
+    if lines:
+        terminalreporter.section("collectives: jit vs eager DTensor")
+        for line in lines:
+            terminalreporter.write_line(line)
+    path = os.environ.get("THUNDER_DTENSOR_COMM_REPORT")
+    if path:
+        written = write_comm_report(path)
+        terminalreporter.write_line(f"{len(COMM_COMPARISONS)} collective comparisons written to {written}")

@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from thunder_dtensor.testing import CaseResult
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -38,6 +40,12 @@ class OpEntry:
     kwargs: dict = field(default_factory=dict)
     rtol: float | None = None
     atol: float | None = None
+    #: turns the drawn full inputs into the entry's (e.g. quantised so that values tie); may assert on them
+    make_inputs: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+    #: draws random numbers (dropout): values and gradients are compared with eager DTensor's on the same seed
+    random: bool = False
+    #: extra assertions on the run_case result, given the full inputs
+    check: Callable[[CaseResult, list[torch.Tensor]], None] | None = None
 
     def placement_choices(self, i: int, ndim: int) -> list:
         spec = self.sweep[i] if i < len(self.sweep) else "replicate"
@@ -72,6 +80,50 @@ def _masked_sdpa(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def _quantised(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # steps of 0.25 on [-1, 1]: equal values (ties) at many elements, zeros among them
+    return [torch.round(t * 4) / 4 for t in inputs]
+
+
+def _ties(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """maximum / minimum: the operands tie at some elements (torch splits the gradient 0.5 / 0.5 there)."""
+    x, y = _quantised(inputs)
+    ties = x == y
+    assert ties.any() and not ties.all(), "the inputs must tie at some elements, not all"
+    return [x, y]
+
+
+def _clamp_ties(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """x, min, max (or x, min) with x == min and x == max at some elements: torch gives x the gradient there."""
+    x, *bounds = _quantised(inputs)
+    bounds = [-bounds[0].abs()] + [b.abs() for b in bounds[1:]]
+    for bound in bounds:
+        assert (x == bound).any(), "x must equal each bound at some elements"
+    return [x, *bounds]
+
+
+def _dropout_check(p: float) -> Callable[[CaseResult, list[torch.Tensor]], None]:
+    """The mask is real (some dropped, the rest scaled by 1/(1-p)), in the output and in x's gradient.
+
+    ``fn(x, *rest)`` is ``dropout(x) * rest...``; inputs drawn with ``low > 0`` so a zero output means dropped.
+    """
+
+    def check(result: CaseResult, inputs: list[torch.Tensor]) -> None:
+        x, rest = inputs[0], inputs[1:]
+        scale = torch.ones_like(x)
+        for t in rest:
+            scale = scale * t
+        out = result.thunder_out[0].full_tensor()
+        kept = out != 0
+        dropped = 1 - kept.float().mean().item()
+        assert 0 < dropped < 1 and abs(dropped - p) < 0.25, f"dropped {dropped:.2f} of the elements at p={p}"
+        torch.testing.assert_close(out, torch.where(kept, x * scale / (1 - p), 0.0))
+        g = result.cotangents[0]
+        torch.testing.assert_close(result.thunder_grads[0].full_tensor(), torch.where(kept, g * scale / (1 - p), 0.0))
+
+    return check
+
+
 HEADS = [[Shard(0)], [Shard(1)], [Replicate()]]  # batch, heads, replicated
 B, H, S, D = 2, 4, 6, 8
 
@@ -92,7 +144,17 @@ OP_DB: list[OpEntry] = [
     OpEntry("tanh", torch.tanh, [(6, 8)]),
     OpEntry("sigmoid", torch.sigmoid, [(6, 8)]),
     OpEntry("erf", torch.erf, [(6, 8)]),
+    OpEntry("sin", torch.sin, [(6, 8)]),
+    OpEntry("cos", torch.cos, [(6, 8)]),
+    OpEntry("reciprocal", torch.reciprocal, [(6, 8)], low=0.5),
+    OpEntry("sign", torch.sign, [(6, 8)], make_inputs=_quantised),  # zeros included
+    OpEntry("maximum", torch.maximum, [(6, 8), (6, 8)], sweep=("all", "all"), make_inputs=_ties),
+    OpEntry("minimum", torch.minimum, [(6, 8), (8,)], make_inputs=_ties),  # broadcast
     OpEntry("clamp", lambda x: torch.clamp(x, -0.5, 0.5), [(6, 8)]),
+    OpEntry(
+        "clamp_tensor", torch.clamp, [(6, 8), (6, 8), (6, 8)], sweep=("all", "all", "all"), make_inputs=_clamp_ties
+    ),
+    OpEntry("clamp_tensor_min", lambda x, lo: x.clamp(min=lo), [(6, 8), (8,)], make_inputs=_clamp_ties),
     OpEntry("clamp_min", lambda x: x.clamp(min=0.1), [(6, 8)]),
     OpEntry("where", lambda x, y: torch.where(x > 0, x, y), [(6, 8), (6, 8)]),
     OpEntry("comparisons", lambda x, y: (x > y).float() + (x <= y).float() * 2 + (x == x).float(), [(6, 8), (6, 8)]),
@@ -101,6 +163,8 @@ OP_DB: list[OpEntry] = [
     OpEntry("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), [(6, 8)]),
     OpEntry("silu", F.silu, [(6, 8)]),
     OpEntry("to_dtype", lambda x: x.to(torch.float64) * 2, [(6, 8)]),
+    OpEntry("type_as", lambda x, y: x.type_as(y), [(6, 8), (6, 8)], dtypes=[torch.float32, torch.float64]),
+    OpEntry("half", lambda x: x.half().float(), [(6, 8)]),
     OpEntry("type_promotion", lambda x, y: x * y, [(6, 8), (6, 8)], dtypes=[torch.float32, torch.float64]),
     OpEntry("broadcast", lambda x, b: x * b + b, [(4, 6, 8), (6, 1)]),
     # --- reductions -------------------------------------------------------------------------------
@@ -166,6 +230,22 @@ OP_DB: list[OpEntry] = [
     OpEntry("sdpa_mask", _masked_sdpa, [(B, H, S, D)] * 3 + [(S, S)], sweep=(HEADS,), together=3, eager=False),
     OpEntry("dropout_eval", lambda x: F.dropout(x, p=0.3, training=False) * 2, [(6, 8)]),
     OpEntry("dropout_p0", lambda x: F.dropout(x, p=0.0) * 2, [(6, 8)]),
+    OpEntry(
+        "dropout",
+        lambda x: F.dropout(x, p=0.4, training=True),
+        [(8, 16)],
+        low=0.5,
+        random=True,
+        check=_dropout_check(0.4),
+    ),
+    OpEntry(
+        "dropout_mul",
+        lambda x, w: F.dropout(x, p=0.4, training=True) * w,
+        [(8, 16), (8, 16)],
+        low=0.5,
+        random=True,
+        check=_dropout_check(0.4),
+    ),
     OpEntry(
         "cross_entropy",
         lambda x, t: F.cross_entropy(x, t),

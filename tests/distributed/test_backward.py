@@ -58,3 +58,54 @@ def test_last_backward_traces_prints_backward():
     assert "def backward_fn" in backward
     assert "dtensor_mul_prim" in backward and "dtensor_add_prim" in backward
     assert "DTensor" in backward
+
+
+def _count_matmuls_in_backward(fn, inputs) -> int:
+    """aten matmul kernels run by the backward of ``fn`` (the forward runs outside the count)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "bmm"):
+                CountMatmuls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    out = fn(*inputs)
+    with CountMatmuls():
+        out.backward(torch.ones_like(out))
+    return CountMatmuls.count
+
+
+@pytest.mark.world_size(2, 4)
+def test_frozen_inputs_get_no_gradient_computed():
+    """The issue's program: with w frozen, the backward computes no gradient for it (no matmul for it)."""
+    from thunder_dtensor.testing import mesh_1d
+
+    import torch.nn.functional as F
+    from torch.distributed.tensor import distribute_tensor
+
+    def fn(x, w, g):
+        return F.gelu(F.layer_norm(F.linear(x, w), (32,), g)).sum()
+
+    full = [make_full((8, 16), seed=1), make_full((32, 16), seed=2), make_full((32,), seed=3)]
+    placements = [[Shard(0)], [Shard(0)], [Replicate()]]
+    counts = {}
+    for frozen in (False, True):
+        # values and gradients against plain torch, placements against eager
+        run_case(DTensorCase(fn, full, placements, requires_grad=[True, not frozen, False]))
+        inputs = [
+            distribute_tensor(t.clone(), mesh_1d(), p).requires_grad_(rg)
+            for t, p, rg in zip(full, placements, [True, not frozen, False])
+        ]
+        jfn = thunder.jit(fn)
+        counts[frozen] = _count_matmuls_in_backward(jfn, inputs)
+        backward = str(thunder.last_backward_traces(jfn)[-1])
+        (linear_vjp,) = [line for line in backward.splitlines() if "linear_vjp_prim(" in line and "#" not in line]
+        # the vjp differentiates w.r.t. flat input 0 (x) only when w is frozen, (0, 1) otherwise
+        assert linear_vjp.rstrip().endswith("(0,))" if frozen else "(0, 1))"), linear_vjp
+        assert inputs[1].grad is None if frozen else inputs[1].grad is not None
+    # eager's backward for x alone: one matmul; the generic vjp also recomputes the forward's (one more)
+    assert counts[True] < counts[False], counts

@@ -1,25 +1,77 @@
 """A fast subset of the OpInfo sweep (the full one: `make op-coverage`, which writes docs/op_coverage.md).
 
-Every sample eager DTensor passes must pass under thunder_dtensor, forward and backward.
+Every sample eager DTensor passes must pass under thunder_dtensor, forward and backward; random samples
+(dropout, SDPA with dropout) are compared with eager DTensor under one seed.
 """
 
 from thunder_dtensor.testing import mesh_1d
-from thunder_dtensor.testing.opinfo import sweep
+from thunder_dtensor.testing.opinfo import looks_like_dropout, summary, sweep
 
 import pytest
+import torch
+
+SDPA = "nn.functional.scaled_dot_product_attention"
+DROPOUT = "nn.functional.dropout"
 
 SUBSET = (
     "add", "mul", "div", "exp", "tanh", "where", "sum", "mean", "amax", "var", "matmul", "bmm",
     "nn.functional.linear", "transpose", "reshape", "cat", "split", "softmax", "nn.functional.layer_norm",
-    "nn.functional.gelu", "nn.functional.cross_entropy", "cumsum",
+    "nn.functional.gelu", "nn.functional.cross_entropy", "cumsum", SDPA, DROPOUT,
 )  # fmt: skip
+
+MAX_SAMPLES = 5
+
+#: SDPA's samples are the slowest to trace; dropout's first ones are mostly deterministic: chosen samples
+SAMPLE_INDICES = {
+    # 3-D q sharded on batch (eager: no communication); the same with dropout_p=0.5; 4-D causal (eager fails);
+    # 4-D with dropout_p=0.5; q broadcast over heads (4-D k, v); a float attn_mask
+    SDPA: (4, 6, 8, 14, 20, 24),
+    # p=0.5 in training on [5, 5]; p=1; p=0.5 in training on [5]; p=0.5 on [5] in eval; defaults on a 0-d tensor
+    DROPOUT: (2, 4, 8, 9, 18),
+}
+
+#: samples eager DTensor passes and thunder_dtensor fails today, each a library bug reported to the lead
+#: (excluded from the no-regression assertion until fixed; a fixed one simply stops being reported)
+KNOWN_REGRESSIONS = {
+    # ops/attention.py: q Shard(0) with k, v Replicate is gathered to Replicate (eager keeps Shard(0) on local
+    # batch shards, no communication), so the dropout mask is drawn on the full tensor, unlike eager's
+    (SDPA, 6): "dropout mask differs from eager's (q gathered instead of attended on its batch shard)",
+    (SDPA, 14): "dropout mask differs from eager's (q gathered instead of attended on its batch shard)",
+    # ops/attention.py _local_sdpa: the output's global shape is q's batch dims, not q's broadcast with k's
+    (SDPA, 20): "output shape [4, 3, 8] instead of the broadcast [4, 4, 3, 8]: backward fails",
+}
 
 
 @pytest.mark.world_size(2)
 def test_opinfo_subset_no_regression_against_eager():
-    results = sweep(SUBSET, mesh_1d(), max_samples=2)
+    results = {r.name: r for r in sweep(SUBSET, mesh_1d(), max_samples=MAX_SAMPLES, sample_indices=SAMPLE_INDICES)}
     assert len(results) >= len(SUBSET) - 1
-    assert sum(r.samples for r in results) >= 30
-    regressions = {r.name: r.first_error for r in results if r.regressions}
+    totals = summary(list(results.values()))
+    assert totals["samples"] >= 100, totals
+    regressions = {
+        (name, index): detail
+        for name, r in results.items()
+        for index, detail in zip(r.regressed_samples, r.regression_details)
+        if (name, index) not in KNOWN_REGRESSIONS
+    }
     assert not regressions, regressions
-    assert sum(r.thunder_fwd for r in results) >= sum(r.eager_fwd for r in results)
+    # random samples: compared with eager under one seed, and the outputs are dropouts, not the identity
+    dropout = results[DROPOUT]
+    assert dropout.random_samples == 3 and dropout.samples == len(SAMPLE_INDICES[DROPOUT])
+    assert dropout.thunder_fwd == dropout.eager_fwd == dropout.samples, dropout
+    assert dropout.thunder_bwd == dropout.eager_bwd == dropout.bwd_samples, dropout
+    sdpa = results[SDPA]
+    assert sdpa.random_samples == 2 and sdpa.samples == len(SAMPLE_INDICES[SDPA])
+
+
+@pytest.mark.world_size(2)
+def test_dropout_check_rejects_the_identity_and_wrong_masks():
+    x = torch.arange(1.0, 21.0)
+    kept = torch.arange(20) % 3 != 0
+    out = torch.where(kept, x * 2, 0.0)
+    grad = torch.where(kept, 2.0, 0.0)
+    assert looks_like_dropout(out, [grad], x, 0.5)
+    assert not looks_like_dropout(x, None, x, 0.5)  # the identity
+    assert not looks_like_dropout(x * 2, None, x, 0.5)  # nothing dropped on 20 elements
+    assert not looks_like_dropout(torch.where(kept, x * 3, 0.0), None, x, 0.5)  # wrong scale
+    assert not looks_like_dropout(out, [torch.full_like(x, 2.0)], x, 0.5)  # gradient ignores the mask

@@ -1,12 +1,25 @@
 """Every op of the op database, on a sweep of placements, at world sizes 2 and 4 (uneven shards included).
 
-Values and gradients are compared with plain torch on the full tensors; placements with eager DTensor
-where eager can run the case.
+Values and gradients are compared with plain torch on the full tensors (random ops: with eager DTensor on
+the same seed); placements with eager DTensor where eager can run the case, and collectives of each kind,
+forward and backward, too: the jit may do no more than eager in the phases of ``COMMS_ASSERTED``; the rest
+is reported at the end of the session (see ``conftest.py``).
 """
 
-from thunder_dtensor.testing import DTensorCase, make_full, run_case
+from thunder_dtensor.testing import (
+    COMM_COMPARISONS,
+    COMMS_ASSERTED,
+    CommComparison,
+    DTensorCase,
+    assert_no_more_comms,
+    comm_report,
+    make_full,
+    run_case,
+)
 
 import pytest
+import torch
+from torch.distributed.tensor import Shard
 
 from .op_db import all_cases, case_id
 
@@ -20,13 +33,41 @@ def test_op(case):
         make_full(shape, seed=10 * i + 1, low=entry.low, int_high=entry.int_high, **({"dtype": dt} if dt else {}))
         for i, (shape, dt) in enumerate(zip(entry.shapes, dtypes))
     ]
+    if entry.make_inputs is not None:
+        inputs = entry.make_inputs(inputs)
     grads = (
         entry.grad if isinstance(entry.grad, (list, tuple)) else [entry.grad and t.is_floating_point() for t in inputs]
     )
-    run_case(
+    result = run_case(
         DTensorCase(entry.fn, inputs, placements, requires_grad=list(grads), kwargs=entry.kwargs),
         backward=any(grads),
         compare_eager=entry.eager,
         rtol=entry.rtol,
         atol=entry.atol,
+        random=entry.random,
+        assert_comms=COMMS_ASSERTED,
     )
+    if entry.check is not None:
+        entry.check(result, inputs)
+
+
+def test_collectives_are_counted_and_compared():
+    """The comparison sees real collectives (not trace-time ones) and raises only in the asserted phases."""
+    x, w = make_full((6, 8), seed=1), make_full((8, 4), seed=2)
+    # row-sharded operands of mm: eager all-gathers w once in the forward, once in the backward
+    result = run_case(DTensorCase(torch.mm, [x, w], [[Shard(0)], [Shard(0)]]), assert_comms=COMMS_ASSERTED)
+    forward, backward = result.comms
+    assert (forward.phase, forward.eager, forward.jit) == ("forward", {"all_gather": 1}, {"all_gather": 1})
+    assert (
+        backward.phase == "backward"
+        and backward.eager.get("all_gather", 0) >= 1
+        and backward.jit.get("all_gather", 0) >= 1
+    )
+    assert COMM_COMPARISONS[-2:] == [forward, backward]
+
+    more = CommComparison("case", "backward", 2, {"all_gather": 2, "all_reduce": 1}, {"all_gather": 1})
+    assert more.excess == {"all_gather": (2, 1), "all_reduce": (1, 0)}
+    assert_no_more_comms([more], ("forward",))  # reported, not asserted
+    with pytest.raises(AssertionError, match="backward: the jit does more collectives"):
+        assert_no_more_comms([more], ("forward", "backward"))
+    assert comm_report([more, forward])[0] == "jit does more collectives than eager in 1 cases (world size 2):"

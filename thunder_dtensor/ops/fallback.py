@@ -1,8 +1,8 @@
 """The generic fallback: any torch op thunder knows runs on DTensors the way eager DTensor runs it.
 
 For every torch function and Tensor method in thunder's tables that no op family claimed, a DTensor call
-becomes a prim named after the op (``torch.cumsum`` -> ``dtensor_cumsum_prim``), created on first use. Its
-meta is DTensor's sharding propagation on fake DTensors (so an op eager DTensor rejects fails at trace
+becomes a prim named after the op (``torch.cumsum`` -> ``dtensor_torch_cumsum_prim``), created on first
+use. Its meta is DTensor's sharding propagation on fake DTensors (so an op eager DTensor rejects fails at trace
 time, naming the op and the placements), it runs the torch op on the DTensors, and its gradient is
 eager DTensor's own backward (:func:`thunder_dtensor.primitive.run_vjp`).
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
-from thunder_dtensor.primitive import DTENSOR_PRIMS, define_dtensor_prim
+from thunder_dtensor.primitive import define_dtensor_prim
 
 import torch
 
@@ -27,31 +27,39 @@ __all__ = ["fallback_prim", "register_fallbacks", "FALLBACK_PRIMS"]
 FALLBACK_PRIMS: dict[Callable, ti.Symbol] = {}
 
 _METADATA_METHODS = ("dim", "ndimension", "numel", "nelement", "is_floating_point", "is_complex", "element_size")
-_NAMESPACE_PREFIXES = {
-    torch: "",
-    torch.Tensor: "method_",
-    torch.nn.functional: "functional_",
-    torch.special: "special_",
-}
+#: where a torch callable is looked up, in this order, and the prefix its prim name gets
+_NAMESPACES: tuple[tuple[Any, str], ...] = (
+    (torch, "torch"),
+    (torch.Tensor, "Tensor"),
+    (torch.nn.functional, "nn_functional"),
+    (torch.special, "special"),
+    (torch.linalg, "linalg"),
+    (torch.fft, "fft"),
+)
 
 
 def _fallback_name(torch_fn: Callable) -> str:
-    name = getattr(torch_fn, "__name__", "op").strip("_")
-    for namespace, prefix in _NAMESPACE_PREFIXES.items():
-        if getattr(namespace, getattr(torch_fn, "__name__", ""), None) is torch_fn:
-            return prefix + name
-    return "op_" + name
+    """The prim name of ``torch_fn``: its namespace and name (``torch.sum`` -> ``torch_sum``).
+
+    Derived from the callable alone, so a program's trace reads the same on every rank and in every process,
+    whatever ran first; the namespace prefix keeps these names apart from the op families' prims.
+    """
+    if isinstance(torch_fn, str):  # thunder's map also holds a few ops by name
+        return torch_fn.replace(".", "_")
+    name = getattr(torch_fn, "__name__", "op")
+    prefix = next((p for namespace, p in _NAMESPACES if getattr(namespace, name, None) is torch_fn), None)
+    if prefix is None:
+        prefix = (getattr(torch_fn, "__module__", None) or "op").strip("_").replace(".", "_")
+    if name.startswith("__") and name.endswith("__"):
+        name = "dunder_" + name.strip("_")
+    return f"{prefix}_{name}"
 
 
 def fallback_prim(torch_fn: Callable) -> ti.Symbol:
     """The dtensor prim for ``torch_fn``, made on first use (one per torch function)."""
     prim = FALLBACK_PRIMS.get(torch_fn)
     if prim is None:
-        name = _fallback_name(torch_fn)
-        base, suffix = name, 2
-        while f"dtensor_{name}_prim" in DTENSOR_PRIMS:
-            name, suffix = f"{base}_{suffix}", suffix + 1
-        prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(name, torch_fn)
+        prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(_fallback_name(torch_fn), torch_fn)
     return prim
 
 

@@ -1,9 +1,11 @@
-"""Pointwise family: elementwise unary and binary ops, broadcasting and dtype conversion.
+"""Pointwise family: elementwise unary and binary ops, clamp, where, and dtype conversion.
 
-Each torch-level symbol (``dtensor_mul``) makes its operands agree first, with the two structural prims
-``dtensor_convert_element_type_prim`` (type promotion) and ``dtensor_expand_prim`` (broadcasting), then
-calls one elementwise prim on same-shape, same-dtype operands. Grad rules are written with dtensor prims,
-so gradients carry the placements DTensor's propagation gives them, as in eager DTensor's backward.
+One prim per torch op (``dtensor_mul_prim``, ``dtensor_clamp_prim``), called on the operands as the user
+gave them: DTensor's own sharding propagation broadcasts and promotes them, at trace time in the meta and
+at run time in the op, so nothing here re-implements those rules. Grad rules are written with dtensor
+prims, so gradients carry the placements DTensor's propagation gives them, as in eager DTensor's backward;
+like autograd's engine, a gradient is then summed to its operand's shape and cast to its dtype
+(:func:`grad_for_operand`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ ltorch = ti.ltorch
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Structural prims: dtype conversion, broadcasting, and the reductions/views their grads need
+# Structural prims: dtype conversion and broadcasting, and autograd's reduction of broadcast gradients
 # ---------------------------------------------------------------------------------------------------------
 def _convert_execute(a: Any, dtype: Any) -> Any:
     return a.to(ti.dtypes.to_torch_dtype(dtype))
@@ -40,92 +42,38 @@ def _convert_vjp(g, out, a, dtype):
     return (dtensor_convert_element_type_prim(g, a.dtype),)
 
 
-def _torch_shape(shape: Any) -> tuple[int, ...]:
-    return tuple(int(ti.pyval(s)) if isinstance(s, ti.NumberProxy) else int(s) for s in shape)
-
-
 dtensor_expand_prim = define_dtensor_prim("expand", lambda a, shape: a.expand(shape))
-dtensor_sum_prim = define_dtensor_prim("sum", lambda a, dims, keepdim: torch.sum(a, dims, keepdim=keepdim))
-dtensor_reshape_prim = define_dtensor_prim("reshape", torch.reshape)
-
-
-def sum_to_shape(g: DTensorProxy, shape: tuple[int, ...]) -> DTensorProxy:
-    """Reduce a broadcast gradient back to ``shape``: sum over broadcast dims, as autograd's sum_to_size."""
-    shape = tuple(shape)
-    if tuple(g.shape) == shape:
-        return g
-    lead = g.ndim - len(shape)
-    dims = list(range(lead)) + [lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1]
-    out = dtensor_sum_prim(g, dims, True) if dims else g
-    return dtensor_reshape_prim(out, shape) if lead else out
+dtensor_sum_to_size_prim = define_dtensor_prim("sum_to_size", lambda a, shape: a.sum_to_size(shape))
 
 
 @define_vjp(dtensor_expand_prim)
 def _expand_vjp(g, out, a, shape):
-    return (sum_to_shape(g, a.shape),)
+    return (sum_to_shape(g, tuple(a.shape)),)
 
 
-@define_vjp(dtensor_sum_prim)
-def _sum_vjp(g, out, a, dims, keepdim):
-    if not keepdim:
-        kept = list(a.shape)
-        for d in dims:
-            kept[d] = 1
-        g = dtensor_reshape_prim(g, tuple(kept))
+@define_vjp(dtensor_sum_to_size_prim)
+def _sum_to_size_vjp(g, out, a, shape):
     return (dtensor_expand_prim(g, tuple(a.shape)),)
 
 
-@define_vjp(dtensor_reshape_prim)
-def _reshape_vjp(g, out, a, shape):
-    return (dtensor_reshape_prim(g, tuple(a.shape)),)
+def sum_to_shape(g: DTensorProxy, shape: tuple[int, ...]) -> DTensorProxy:
+    """Reduce a broadcast gradient back to ``shape`` (torch's ``sum_to_size``, run by DTensor)."""
+    return g if tuple(g.shape) == tuple(shape) else dtensor_sum_to_size_prim(g, tuple(shape))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Operand preparation (type promotion and broadcasting, with torch's rules)
-# ---------------------------------------------------------------------------------------------------------
-def _promotion_stand_in(x: Any) -> Any:
-    if isinstance(x, ti.TensorProxy):
-        return torch.empty((1,) * x.ndim, dtype=ti.dtypes.to_torch_dtype(x.dtype), device="meta")
-    return ti.pyval(x) if isinstance(x, ti.NumberProxy) else x
+def grad_for_operand(grad: Any, operand: Any) -> Any:
+    """An elementwise op's gradient for one operand, as autograd hands it over.
 
-
-def computation_dtype(*operands: Any) -> torch.dtype:
-    """torch's promoted dtype of the operands (tensors by dtype and rank, Python scalars by kind)."""
-    stand_ins = [_promotion_stand_in(x) for x in operands if x is not None]
-    result = stand_ins[0] if len(stand_ins) == 1 else None
-    if result is not None:
-        return result.dtype if isinstance(result, torch.Tensor) else torch.tensor(result).dtype
-    dtype = torch.result_type(stand_ins[0], stand_ins[1])
-    for other in stand_ins[2:]:
-        dtype = torch.result_type(torch.empty((), dtype=dtype, device="meta"), other)
-    return dtype
-
-
-def promote_operands(*operands: Any) -> list[Any]:
-    """Convert DTensor operands to torch's promoted dtype of all the operands."""
-    dtype = ti.dtypes.to_dtype(computation_dtype(*operands))
-    return [
-        dtensor_convert_element_type_prim(x, dtype) if isinstance(x, DTensorProxy) and x.dtype != dtype else x
-        for x in operands
-    ]
-
-
-def broadcast_operands(*operands: Any) -> list[Any]:
-    """Expand DTensor operands to their common broadcast shape."""
-    shape = tuple(torch.broadcast_shapes(*(tuple(x.shape) for x in operands if isinstance(x, DTensorProxy))))
-    return [
-        dtensor_expand_prim(x, shape) if isinstance(x, DTensorProxy) and tuple(x.shape) != shape else x
-        for x in operands
-    ]
-
-
-def prepare_operands(*operands: Any) -> list[Any]:
-    """Convert DTensor operands to the promoted dtype and broadcast them to a common shape.
-
-    Python scalars stay scalars (DTensor ops take them as they are); plain tensors are left for the prim,
-    which accepts them exactly when eager DTensor does.
+    The ops run on operands of different shapes and dtypes (DTensor broadcasts and promotes them itself);
+    like autograd's engine, the gradient computed at the output's shape and dtype is summed over the
+    broadcast dims (``sum_to_size``) and cast back to the operand's dtype. Non-tensor operands get none.
     """
-    return broadcast_operands(*promote_operands(*operands))
+    if not isinstance(operand, ti.TensorProxy) or grad is None:
+        return None
+    grad = sum_to_shape(grad, tuple(operand.shape))
+    if grad.dtype != operand.dtype:
+        grad = dtensor_convert_element_type_prim(grad, operand.dtype)
+    return grad
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -141,70 +89,56 @@ dtensor_maximum_prim = define_dtensor_prim("maximum", torch.maximum)
 dtensor_minimum_prim = define_dtensor_prim("minimum", torch.minimum)
 
 
-@define_vjp(dtensor_add_prim)
-def _add_vjp(g, out, a, b):
-    return g, g
+def _binary_vjp(prim: ti.Symbol, rule: Callable) -> None:
+    """Register ``rule(g, out, a, b) -> (grad_a, grad_b)`` at the output's shape, reduced per operand."""
+
+    @define_vjp(prim)
+    def vjp(g, out, a, b):
+        grad_a, grad_b = rule(g, out, a, b)
+        return grad_for_operand(grad_a, a), grad_for_operand(grad_b, b)
 
 
-@define_vjp(dtensor_sub_prim)
-def _sub_vjp(g, out, a, b):
-    return g, dtensor_neg_prim(g)
+_binary_vjp(dtensor_add_prim, lambda g, out, a, b: (g, g))
+_binary_vjp(dtensor_sub_prim, lambda g, out, a, b: (g, dtensor_neg_prim(g)))
+_binary_vjp(dtensor_mul_prim, lambda g, out, a, b: (dtensor_mul_prim(g, b), dtensor_mul_prim(g, a)))
 
 
-@define_vjp(dtensor_mul_prim)
-def _mul_vjp(g, out, a, b):
-    return dtensor_mul_prim(g, b), dtensor_mul_prim(g, a)
-
-
-@define_vjp(dtensor_div_prim)
-def _div_vjp(g, out, a, b):
-    grad_a = dtensor_div_prim(g, b)
+def _div_grads(g, out, a, b):
     grad_b = None
-    if isinstance(b, ti.TensorProxy):
-        # d(a/b)/db = -a / b^2 = -(a/b)/b
+    if isinstance(b, ti.TensorProxy):  # d(a/b)/db = -a / b^2 = -(a/b)/b
         grad_b = dtensor_neg_prim(dtensor_mul_prim(g, dtensor_div_prim(dtensor_div_prim(a, b), b)))
-    return grad_a, grad_b
+    return dtensor_div_prim(g, b), grad_b
 
 
-@define_vjp(dtensor_pow_prim)
-def _pow_vjp(g, out, a, b):
+_binary_vjp(dtensor_div_prim, _div_grads)
+
+
+def _pow_grads(g, out, a, b):
     grad_a = grad_b = None
     if isinstance(a, ti.TensorProxy):
         if isinstance(b, ti.TensorProxy):
-            exponent_minus_one = dtensor_sub_prim(b, 1)
-            grad_a = dtensor_mul_prim(g, dtensor_mul_prim(b, dtensor_pow_prim(a, exponent_minus_one)))
-        else:
+            grad_a = dtensor_mul_prim(g, dtensor_mul_prim(b, dtensor_pow_prim(a, dtensor_sub_prim(b, 1))))
+        elif ti.pyval(b) != 0:
             b_val = ti.pyval(b)
-            grad_a = (
-                dtensor_mul_prim(g, dtensor_mul_prim(dtensor_pow_prim(a, b_val - 1), b_val)) if b_val != 0 else None
-            )
+            grad_a = dtensor_mul_prim(g, dtensor_mul_prim(dtensor_pow_prim(a, b_val - 1), b_val))
     if isinstance(b, ti.TensorProxy):
         log_a = dtensor_log_prim(a) if isinstance(a, ti.TensorProxy) else math.log(ti.pyval(a))
         grad_b = dtensor_mul_prim(g, dtensor_mul_prim(out, log_a))
     return grad_a, grad_b
 
 
-def _select_grad(mask_true: Any, g: Any) -> Any:
-    return dtensor_where_prim(mask_true, g, 0.0)
+_binary_vjp(dtensor_pow_prim, _pow_grads)
 
 
-@define_vjp(dtensor_maximum_prim)
-def _maximum_vjp(g, out, a, b):
-    # ties split the gradient evenly, as torch does
-    return _minmax_grads(g, a, b, dtensor_gt_prim)
+def _minmax_grads(strictly_better: ti.Symbol) -> Callable:
+    # the strictly better operand takes the gradient; ties split it evenly, as torch's maximum/minimum do
+    def grads(g, out, a, b):
+        tie_share = dtensor_where_prim(dtensor_eq_prim(a, b), dtensor_mul_prim(g, 0.5), 0.0)
+        grad_a = dtensor_where_prim(strictly_better(a, b), g, tie_share)
+        grad_b = dtensor_where_prim(strictly_better(b, a), g, tie_share)
+        return grad_a, grad_b
 
-
-@define_vjp(dtensor_minimum_prim)
-def _minimum_vjp(g, out, a, b):
-    return _minmax_grads(g, a, b, dtensor_lt_prim)
-
-
-def _minmax_grads(g, a, b, strictly_better):
-    half = dtensor_mul_prim(g, 0.5)
-    tie = dtensor_eq_prim(a, b)
-    grad_a = dtensor_where_prim(strictly_better(a, b), g, dtensor_where_prim(tie, half, 0.0))
-    grad_b = dtensor_where_prim(strictly_better(b, a), g, dtensor_where_prim(tie, half, 0.0))
-    return grad_a, grad_b
+    return grads
 
 
 # Comparisons (no gradient) and where
@@ -221,7 +155,11 @@ dtensor_where_prim = define_dtensor_prim("where", torch.where)
 def _where_vjp(g, out, cond, a, b):
     grad_a = dtensor_where_prim(cond, g, 0.0) if isinstance(a, ti.TensorProxy) else None
     grad_b = dtensor_where_prim(cond, 0.0, g) if isinstance(b, ti.TensorProxy) else None
-    return None, grad_a, grad_b
+    return None, grad_for_operand(grad_a, a), grad_for_operand(grad_b, b)
+
+
+_binary_vjp(dtensor_maximum_prim, _minmax_grads(dtensor_gt_prim))
+_binary_vjp(dtensor_minimum_prim, _minmax_grads(dtensor_lt_prim))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -291,33 +229,24 @@ _unary_vjp(dtensor_silu_prim, _silu_grad)
 # ---------------------------------------------------------------------------------------------------------
 # Torch-level symbols and their registration in the dispatch table
 # ---------------------------------------------------------------------------------------------------------
-def _binary(prim: ti.Symbol, a: Any, b: Any) -> Any:
-    a, b = prepare_operands(a, b)
-    return prim(a, b)
-
-
 @define_dtensor_symbol
 def dtensor_add(a, b, *, alpha=1):
-    if alpha != 1:
-        b = dtensor_mul(b, alpha)
-    return _binary(dtensor_add_prim, a, b)
+    return dtensor_add_prim(a, b if alpha == 1 else dtensor_mul(b, alpha))
 
 
 @define_dtensor_symbol
 def dtensor_sub(a, b, *, alpha=1):
-    if alpha != 1:
-        b = dtensor_mul(b, alpha)
-    return _binary(dtensor_sub_prim, a, b)
+    return dtensor_sub_prim(a, b if alpha == 1 else dtensor_mul(b, alpha))
 
 
 @define_dtensor_symbol
 def dtensor_mul(a, b):
-    return _binary(dtensor_mul_prim, a, b)
+    return dtensor_mul_prim(a, b)
 
 
 @define_dtensor_symbol
 def dtensor_true_divide(a, b):
-    return _binary(dtensor_div_prim, a, b)
+    return dtensor_div_prim(a, b)
 
 
 @define_dtensor_symbol
@@ -326,73 +255,56 @@ def dtensor_div(a, b, *, rounding_mode=None):
         from thunder_dtensor.ops.fallback import fallback_prim
 
         return fallback_prim(torch.div)(a, b, rounding_mode=rounding_mode)
-    return _binary(dtensor_div_prim, a, b)
+    return dtensor_div_prim(a, b)
 
 
-@define_dtensor_symbol
-def dtensor_pow(a, b):
-    return _binary(dtensor_pow_prim, a, b)
+def _symbol_for(prim: ti.Symbol, name: str) -> ti.Symbol:
+    """The torch-level symbol of one elementwise prim: DTensor itself promotes and broadcasts the operands."""
+
+    def call(*args):
+        return prim(*args)
+
+    call.__name__ = f"dtensor_{name}"
+    return define_dtensor_symbol(call)
 
 
-@define_dtensor_symbol
-def dtensor_maximum(a, b):
-    return _binary(dtensor_maximum_prim, a, b)
+# clamp is one prim, not maximum/minimum: at ties torch gives the whole gradient to the input, none to a bound
+dtensor_clamp_prim = define_dtensor_prim("clamp", torch.clamp)
 
 
-@define_dtensor_symbol
-def dtensor_minimum(a, b):
-    return _binary(dtensor_minimum_prim, a, b)
+@define_vjp(dtensor_clamp_prim)
+def _clamp_vjp(g, out, a, min=None, max=None):
+    # torch's clamp backward: the input where it lies within the bounds; a bound where it was applied
+    # (with both tensor bounds and min > max, the result is max)
+    within = None
+    grad_min = grad_max = None
+    if min is not None:
+        within = dtensor_ge_prim(a, min)
+    if max is not None:
+        below_max = dtensor_le_prim(a, max)
+        within = below_max if within is None else dtensor_logical_and_prim(within, below_max)
+    grad_a = dtensor_where_prim(within, g, 0.0)
+    if isinstance(min, ti.TensorProxy):
+        applied = dtensor_lt_prim(a, min)
+        if max is not None:
+            applied = dtensor_logical_and_prim(applied, dtensor_lt_prim(min, max))
+        grad_min = dtensor_where_prim(applied, g, 0.0)
+    if isinstance(max, ti.TensorProxy):
+        applied = dtensor_gt_prim(a, max)
+        if min is not None:
+            applied = dtensor_logical_or_prim(applied, dtensor_lt_prim(max, min))
+        grad_max = dtensor_where_prim(applied, g, 0.0)
+    return grad_for_operand(grad_a, a), grad_for_operand(grad_min, min), grad_for_operand(grad_max, max)
 
 
-def _comparison(prim: ti.Symbol, name: str) -> ti.Symbol:
-    def comparison(a, b):
-        return _binary(prim, a, b)
-
-    comparison.__name__ = f"dtensor_{name}"
-    return define_dtensor_symbol(comparison)
-
-
-@define_dtensor_symbol
-def dtensor_where(cond, a, b):
-    cond, a, b = _where_operands(cond, a, b)
-    return dtensor_where_prim(cond, a, b)
-
-
-def _where_operands(cond, a, b):
-    # the condition takes part in broadcasting, not in type promotion
-    return broadcast_operands(cond, *promote_operands(a, b))
+dtensor_logical_and_prim = define_dtensor_prim("logical_and", torch.logical_and, differentiable=False)
+dtensor_logical_or_prim = define_dtensor_prim("logical_or", torch.logical_or, differentiable=False)
 
 
 @define_dtensor_symbol
 def dtensor_clamp(a, min=None, max=None):
     ti.check(min is not None or max is not None, lambda: "torch.clamp on a DTensor: give min, max or both")
-    out = a
-    if min is not None:
-        out = (
-            dtensor_maximum_prim(*prepare_operands(out, min))
-            if isinstance(min, ti.TensorProxy)
-            else _clamp_scalar(out, min, dtensor_lt_prim)
-        )
-    if max is not None:
-        out = (
-            dtensor_minimum_prim(*prepare_operands(out, max))
-            if isinstance(max, ti.TensorProxy)
-            else _clamp_scalar(out, max, dtensor_gt_prim)
-        )
-    return out
-
-
-def _clamp_scalar(a, bound, outside):
-    # where(a outside bound, bound, a): the gradient flows where a is inside, as torch.clamp's does
-    return dtensor_where_prim(outside(a, bound), bound, a)
-
-
-def _unary(prim: ti.Symbol, name: str) -> ti.Symbol:
-    def unary(a):
-        return prim(a)
-
-    unary.__name__ = f"dtensor_{name}"
-    return define_dtensor_symbol(unary)
+    return dtensor_clamp_prim(a, min, max)
 
 
 @define_dtensor_symbol
@@ -439,10 +351,10 @@ def _register() -> None:
         torch.mul: (ltorch.mul, dtensor_mul),
         torch.true_divide: (ltorch.true_divide, dtensor_true_divide),
         torch.div: (ltorch.div, dtensor_div),
-        torch.pow: (ltorch.pow, dtensor_pow),
-        torch.maximum: (ltorch.maximum, dtensor_maximum),
-        torch.minimum: (ltorch.minimum, dtensor_minimum),
-        torch.where: (ltorch.where, dtensor_where),
+        torch.pow: (ltorch.pow, _symbol_for(dtensor_pow_prim, "pow")),
+        torch.maximum: (ltorch.maximum, _symbol_for(dtensor_maximum_prim, "maximum")),
+        torch.minimum: (ltorch.minimum, _symbol_for(dtensor_minimum_prim, "minimum")),
+        torch.where: (ltorch.where, _symbol_for(dtensor_where_prim, "where")),
         torch.clamp: (ltorch.clamp, dtensor_clamp),
     }
     for name, prim in {
@@ -453,7 +365,7 @@ def _register() -> None:
         "gt": dtensor_gt_prim,
         "ge": dtensor_ge_prim,
     }.items():
-        binary[getattr(torch, name)] = (getattr(ltorch, name), _comparison(prim, name))
+        binary[getattr(torch, name)] = (getattr(ltorch, name), _symbol_for(prim, name))
 
     unary_prims = {
         "neg": dtensor_neg_prim,
@@ -471,14 +383,14 @@ def _register() -> None:
         "sign": dtensor_sign_prim,
         "relu": dtensor_relu_prim,
     }
-    unary = {name: _unary(prim, name) for name, prim in unary_prims.items()}
+    unary = {name: _symbol_for(prim, name) for name, prim in unary_prims.items()}
     for name, symbol in unary.items():
         binary[getattr(torch, name)] = (getattr(ltorch, name), symbol)
 
     for torch_fn, (single, dtensor_symbol) in binary.items():
         register_function_for_dtensor(torch_fn, single, dtensor_symbol, is_method=True)
 
-    silu = _unary(dtensor_silu_prim, "silu")
+    silu = _symbol_for(dtensor_silu_prim, "silu")
     register_function_for_dtensor(torch.nn.functional.silu, ltorch.silu, silu)
     register_function_for_dtensor(torch.nn.functional.gelu, ltorch.gelu, dtensor_gelu)
     # F.relu / F.sigmoid / F.tanh are the same ops as their torch-namespace twins

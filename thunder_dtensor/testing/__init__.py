@@ -3,7 +3,8 @@
 Multi-rank tests run under ``torchrun --nproc-per-node N -m pytest ...``: every rank runs the same tests in
 the same order, with one process group for the session (gloo on CPU, NCCL on CUDA). The helpers build the
 same full tensors on every rank, distribute them, and compare thunder's results with plain torch on the
-full tensors (the math) and with eager DTensor (the placements).
+full tensors (the math) and with eager DTensor (the placements, and the collectives of each kind: see
+:data:`COMMS_ASSERTED`; the cases where the jit does more than eager are reported at the end of a session).
 """
 
 from __future__ import annotations
@@ -19,15 +20,24 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "COMMS_ASSERTED",
+    "COMM_COMPARISONS",
+    "CaseResult",
+    "CommComparison",
     "DTensorCase",
     "assert_matches_full",
+    "assert_no_more_comms",
+    "comm_counts",
+    "comm_report",
     "device_type",
+    "eager_error",
     "init_distributed",
     "make_full",
     "mesh_1d",
     "mesh_2d",
     "run_case",
     "world_size",
+    "write_comm_report",
 ]
 
 
@@ -105,6 +115,146 @@ class CaseResult:
     thunder_grads: list
     eager_grads: list
     jitted: Callable
+    #: the collective comparisons made for this case (forward, then backward), empty where eager did not run
+    comms: list = field(default_factory=list)
+    #: the full cotangents the outputs were given in the backward (empty without a backward)
+    cotangents: list = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collectives: jit vs eager DTensor, per kind, forward and backward
+# ---------------------------------------------------------------------------------------------------------
+
+#: The phases in which tests built on :func:`run_case` assert that the jit does no more collectives of any kind
+#: than eager DTensor (callers pass it as ``assert_comms``). The generic grad rule recomputes forward ops,
+#: hidden collectives included, in the backward, so today the backward only reports; a backward without
+#: recomputation adds ``"backward"`` here, the one switch that turns every report into an assertion.
+COMMS_ASSERTED: tuple[str, ...] = ("forward",)
+
+#: Every comparison :func:`run_case` made in this process, for the session report (see :func:`comm_report`).
+COMM_COMPARISONS: list[CommComparison] = []
+
+# CommDebugMode keys are functional or c10d op packets; one name per kind of collective
+_COMM_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "broadcast_": "broadcast",
+    "scatter_": "scatter",
+    "gather_": "gather",
+    "reduce_": "reduce",
+}
+
+
+def comm_counts(mode: Any) -> dict[str, int]:
+    """Collectives a ``CommDebugMode`` saw, by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ...)."""
+    counts: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        kind = _COMM_KINDS.get(name, name)
+        if n:
+            counts[kind] = counts.get(kind, 0) + n
+    return dict(sorted(counts.items()))
+
+
+@dataclass(frozen=True)
+class CommComparison:
+    """One case's collectives in one phase ("forward" or "backward"): the jit's and eager DTensor's, by kind."""
+
+    case: str
+    phase: str
+    world_size: int
+    jit: dict
+    eager: dict
+
+    @property
+    def excess(self) -> dict[str, tuple[int, int]]:
+        """Kinds of which the jit does more than eager: kind -> (jit count, eager count)."""
+        return {k: (n, self.eager.get(k, 0)) for k, n in self.jit.items() if n > self.eager.get(k, 0)}
+
+    def as_dict(self) -> dict:
+        return {
+            "case": self.case,
+            "phase": self.phase,
+            "world_size": self.world_size,
+            "jit": self.jit,
+            "eager": self.eager,
+            "excess": {k: {"jit": j, "eager": e} for k, (j, e) in self.excess.items()},
+        }
+
+
+def _compare_comms(label: str, phase: str, jit_mode: Any, eager_mode: Any) -> CommComparison:
+    record = CommComparison(label, phase, world_size(), comm_counts(jit_mode), comm_counts(eager_mode))
+    COMM_COMPARISONS.append(record)
+    return record
+
+
+def assert_no_more_comms(comparisons: Sequence[CommComparison], phases: Sequence[str]) -> None:
+    """In each of ``phases``, the jit did no more collectives of any kind than eager DTensor."""
+    for c in comparisons:
+        if c.phase in phases and c.excess:
+            raise AssertionError(f"{c.phase}: the jit does more collectives than eager: {c.jit} vs eager {c.eager}")
+
+
+def comm_report(comparisons: Sequence[CommComparison] | None = None) -> list[str]:
+    """Lines of a table of the cases in which the jit does more collectives than eager (empty if none)."""
+    rows = [c for c in (COMM_COMPARISONS if comparisons is None else comparisons) if c.excess]
+    if not rows:
+        return []
+    width = max(len(c.case) for c in rows)
+    lines = [
+        f"jit does more collectives than eager in {len(rows)} cases (world size {rows[0].world_size}):",
+        f"{'case':<{width}}  {'phase':<8}  kind: jit vs eager",
+    ]
+    for c in rows:
+        excess = ", ".join(f"{k}: {j} vs {e}" for k, (j, e) in c.excess.items())
+        lines.append(f"{c.case:<{width}}  {c.phase:<8}  {excess}")
+    return lines
+
+
+def write_comm_report(path: str, comparisons: Sequence[CommComparison] | None = None) -> str:
+    """Every comparison as JSON; ``{world_size}`` in ``path`` is replaced (2- and 4-rank runs write apart)."""
+    import json
+
+    records = COMM_COMPARISONS if comparisons is None else comparisons
+    path = path.format(world_size=world_size())
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "world_size": world_size(),
+                "cases_with_more": sum(1 for c in records if c.excess),
+                "comparisons": [c.as_dict() for c in records],
+            },
+            f,
+            indent=1,
+        )
+    return path
+
+
+_LABELS_USED: dict[str, int] = {}
+
+
+def _case_label(case: DTensorCase) -> str:
+    """The running pytest test's id (outside pytest, the function's name); ``#2``, ... for a test's later cases."""
+    current = os.environ.get("PYTEST_CURRENT_TEST")
+    label = current.rsplit(" (", 1)[0].rsplit("/", 1)[-1] if current else getattr(case.fn, "__name__", repr(case.fn))
+    _LABELS_USED[label] = n = _LABELS_USED.get(label, 0) + 1
+    return label if n == 1 else f"{label} #{n}"
 
 
 def same_placements(a: Sequence[Any], b: Sequence[Any]) -> bool:
@@ -128,35 +278,107 @@ def _as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def _case_inputs(case: DTensorCase, *, distributed: bool, backward: bool) -> list:
+    """Fresh copies of the case's inputs: full tensors, or distributed with the case's placements."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = case.mesh if case.mesh is not None else mesh_1d()
+    requires_grad = case.requires_grad or [t.is_floating_point() for t in case.full_inputs]
+    out = []
+    for t, placements, rg in zip(case.full_inputs, case.placements, requires_grad):
+        x = (
+            distribute_tensor(t.detach().clone(), mesh, list(placements))
+            if distributed and placements is not None
+            else t.detach().clone()
+        )
+        out.append(x.requires_grad_(rg and backward))
+    return out
+
+
+def _cotangent_like(out: Any, full: torch.Tensor) -> Any:
+    """``full`` as the cotangent of ``out``: distributed like it, a Partial dim Replicated (a full value)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    if isinstance(out, DTensor):
+        placements = [Replicate() if p.is_partial() else p for p in out.placements]
+        return distribute_tensor(full, out.device_mesh, placements)
+    return full
+
+
+def eager_error(case: DTensorCase, *, backward: bool = True) -> Exception | None:
+    """What eager DTensor raises on ``case`` (forward, then backward with ones), or None if it runs.
+
+    Tests of what thunder does where eager fails branch on this instead of asserting that eager fails, so
+    they compare with eager the day a torch release makes eager work.
+    """
+    from thunder_dtensor._integration import clear_sharding_propagation_cache
+
+    clear_sharding_propagation_cache()
+    inputs = _case_inputs(case, distributed=True, backward=backward)
+    try:
+        outs = [o for o in _as_tuple(case.fn(*inputs, **case.kwargs)) if isinstance(o, torch.Tensor)]
+        if backward and any(o.requires_grad for o in outs):
+            outs = [o for o in outs if o.requires_grad]
+            torch.autograd.backward(
+                outs, [_cotangent_like(o, torch.ones(o.shape, dtype=o.dtype, device=o.device)) for o in outs]
+            )
+    except Exception as error:
+        return error
+    return None
+
+
 def run_case(
-    case: DTensorCase, *, backward: bool = True, compare_eager: bool = True, rtol=None, atol=None
+    case: DTensorCase,
+    *,
+    backward: bool = True,
+    compare_eager: bool = True,
+    rtol=None,
+    atol=None,
+    random: bool = False,
+    seed: int = 1234,
+    assert_comms: Sequence[str] = (),
+    label: str | None = None,
 ) -> CaseResult:
     """Run ``case.fn`` under thunder.jit on DTensors and check it.
 
     Checks, on every rank: outputs and input gradients equal plain torch on the full tensors; and, when
-    ``compare_eager``, output and gradient placements equal eager DTensor's on the same inputs.
-    """
-    import thunder
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    ``compare_eager``, output and gradient placements equal eager DTensor's on the same inputs, and the
+    collectives of each kind, forward and backward, are compared with eager's (recorded in
+    :data:`COMM_COMPARISONS`; asserted no more than eager's in the phases named by ``assert_comms``, e.g.
+    :data:`COMMS_ASSERTED`).
 
-    mesh = case.mesh if case.mesh is not None else mesh_1d()
-    requires_grad = case.requires_grad or [t.is_floating_point() for t in case.full_inputs]
+    ``random``: the op draws random numbers (dropout), so plain torch on full tensors draws a different
+    mask; eager DTensor and the jit both run after ``torch.manual_seed(seed)`` and values and gradients are
+    compared with eager's instead.
+    """
+    import contextlib
+
+    import thunder
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    assert compare_eager or not random, "a random op's values are compared with eager DTensor's: compare_eager"
+    label = label or _case_label(case)
 
     def fresh_inputs(distributed: bool) -> list:
-        out = []
-        for t, placements, rg in zip(case.full_inputs, case.placements, requires_grad):
-            x = (
-                distribute_tensor(t.detach().clone(), mesh, list(placements))
-                if distributed and placements is not None
-                else t.detach().clone()
-            )
-            out.append(x.requires_grad_(rg and backward))
-        return out
+        return _case_inputs(case, distributed=distributed, backward=backward)
+
+    def reseed() -> None:
+        if random:
+            torch.manual_seed(seed)
+
+    def counting() -> Any:
+        return CommDebugMode() if compare_eager else contextlib.nullcontext()
+
+    def full(x: Any) -> Any:
+        return x.full_tensor() if isinstance(x, DTensor) else x
 
     plain = fresh_inputs(False)
     expected = _as_tuple(case.fn(*plain, **case.kwargs))
 
     eager_out = None
+    eager_fwd, jit_fwd = counting(), counting()
+    jitted = thunder.jit(case.fn)
     if compare_eager:
         from thunder_dtensor._integration import clear_sharding_propagation_cache
 
@@ -164,22 +386,33 @@ def run_case(
         clear_sharding_propagation_cache()
         eager_inputs = fresh_inputs(True)
         try:
-            eager_out = _as_tuple(case.fn(*eager_inputs, **case.kwargs))
-        except Exception as eager_error:
+            reseed()
+            with eager_fwd:
+                eager_out = _as_tuple(case.fn(*eager_inputs, **case.kwargs))
+        except Exception as eager_failure:
             # eager DTensor rejects these placements: thunder must reject them too, at trace time
             from thunder_dtensor.errors import DTensorOpError
 
             try:
-                thunder.jit(case.fn)(*fresh_inputs(True), **case.kwargs)
+                jitted(*fresh_inputs(True), **case.kwargs)
             except DTensorOpError as error:
                 assert "input 0:" in str(error) and "placements=" in str(error), str(error)
-                return CaseResult(None, eager_error, [], [], None)
-            raise AssertionError(f"eager DTensor fails ({eager_error!r}) but thunder_dtensor did not raise") from None
+                return CaseResult(None, eager_failure, [], [], None)
+            raise AssertionError(f"eager DTensor fails ({eager_failure!r}) but thunder_dtensor did not raise") from None
+        # trace outside the counting mode (trace-time runs on stand-ins must not count); the counted call hits
+        # the cache
+        jitted(*fresh_inputs(True), **case.kwargs)
 
     dt_inputs = fresh_inputs(True)
-    jitted = thunder.jit(case.fn)
-    actual = _as_tuple(jitted(*dt_inputs, **case.kwargs))
-    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+    reseed()
+    with jit_fwd:
+        actual = _as_tuple(jitted(*dt_inputs, **case.kwargs))
+    comms: list[CommComparison] = []
+    if compare_eager:
+        assert thunder.cache_hits(jitted) >= 1, "the counted call retraced: a cache miss on the same input specs"
+        comms.append(_compare_comms(label, "forward", jit_fwd, eager_fwd))
+    reference = [full(e) for e in eager_out] if random else expected
+    for i, (a, e) in enumerate(zip(actual, reference, strict=True)):
         assert_matches_full(a, e, what=f"output {i}", rtol=rtol, atol=atol)
 
     if compare_eager:
@@ -192,32 +425,39 @@ def run_case(
 
     thunder_grads: list = []
     eager_grads: list = []
+    cotangents: list = []
     if backward and any(o.requires_grad for o in expected if isinstance(o, torch.Tensor)):
         cotangents = [make_full(e.shape, seed=1000 + i, dtype=e.dtype) for i, e in enumerate(expected)]
         torch.autograd.backward([e for e in expected], cotangents)
 
-        def cotangent_like(out: Any, full: torch.Tensor) -> Any:
-            # the cotangent of a Partial output is a full value: Replicate it
-            if isinstance(out, DTensor):
-                placements = [Replicate() if p.is_partial() else p for p in out.placements]
-                return distribute_tensor(full, out.device_mesh, placements)
-            return full
-
-        torch.autograd.backward(list(actual), [cotangent_like(a, c) for a, c in zip(actual, cotangents)])
+        # cotangents are distributed outside the counting modes: distribute_tensor communicates
+        jit_cotangents = [_cotangent_like(a, c) for a, c in zip(actual, cotangents)]
+        jit_bwd, eager_bwd = counting(), counting()
+        with jit_bwd:
+            torch.autograd.backward(list(actual), jit_cotangents)
         thunder_grads = [x.grad for x in dt_inputs]
-        for i, (x, p) in enumerate(zip(dt_inputs, plain)):
-            if p.grad is not None:
-                assert x.grad is not None, f"input {i}: thunder gave no gradient"
-                assert_matches_full(x.grad, p.grad, what=f"grad of input {i}", rtol=rtol, atol=atol)
-            else:
-                assert x.grad is None, f"input {i}: thunder gave a gradient where torch gives none"
+        if not random:
+            for i, (x, p) in enumerate(zip(dt_inputs, plain)):
+                if p.grad is not None:
+                    assert x.grad is not None, f"input {i}: thunder gave no gradient"
+                    assert_matches_full(x.grad, p.grad, what=f"grad of input {i}", rtol=rtol, atol=atol)
+                else:
+                    assert x.grad is None, f"input {i}: thunder gave a gradient where torch gives none"
         if compare_eager:
-            torch.autograd.backward(list(eager_out), [cotangent_like(e, c) for e, c in zip(eager_out, cotangents)])
+            eager_cotangents = [_cotangent_like(e, c) for e, c in zip(eager_out, cotangents)]
+            with eager_bwd:
+                torch.autograd.backward(list(eager_out), eager_cotangents)
             eager_grads = [x.grad for x in eager_inputs]
+            comms.append(_compare_comms(label, "backward", jit_bwd, eager_bwd))
             for i, (a, e) in enumerate(zip(thunder_grads, eager_grads)):
+                if random:
+                    assert (a is None) == (e is None), f"grad {i}: thunder gives {type(a)}, eager {type(e)}"
+                    if e is not None:
+                        assert_matches_full(a, full(e), what=f"grad of input {i} (vs eager)", rtol=rtol, atol=atol)
                 if isinstance(e, DTensor):
                     assert isinstance(a, DTensor), f"grad {i}: eager gives a DTensor, thunder a {type(a)}"
                     assert same_placements(a.placements, e.placements), (
                         f"grad {i}: placements {a.placements} != eager {e.placements}"
                     )
-    return CaseResult(actual, eager_out, thunder_grads, eager_grads, jitted)
+    assert_no_more_comms(comms, assert_comms)
+    return CaseResult(actual, eager_out, thunder_grads, eager_grads, jitted, comms, cotangents)

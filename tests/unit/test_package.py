@@ -1,0 +1,64 @@
+"""Package-level guarantees: import order, stable prim names, declared versions."""
+
+import subprocess
+import sys
+
+import thunder_dtensor  # noqa: F401
+from thunder_dtensor import _integration
+from thunder_dtensor.dispatch import DISPATCH_TABLE
+from thunder_dtensor.ops.fallback import _fallback_name, _FallbackSymbol, fallback_prim
+from thunder_dtensor.primitive import DTENSOR_PRIMS
+
+import pytest
+import torch
+
+_JIT_A_PROGRAM = "import torch; f = thunder.jit(lambda x: x * 2); assert f(torch.ones(2)).tolist() == [2.0, 2.0]"
+
+
+@pytest.mark.parametrize(
+    "imports",
+    ["import thunder", "import torch; import thunder", "import thunder; import thunder_dtensor"],
+)
+def test_thunder_may_be_imported_before_thunder_dtensor(imports):
+    """On torch >= 2.13 plain thunder 0.2.6 fails to import; with this package installed, any order works."""
+    code = f"{imports}; {_JIT_A_PROGRAM}; import thunder_dtensor, torch; "
+    code += "assert not hasattr(torch.Tensor, 'align_as') or torch.__version__ < '2.13'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_fallback_prim_names_derive_from_the_torch_callable():
+    fallbacks = [fn for fn, d in DISPATCH_TABLE.items() if isinstance(d.dtensor_symbol, _FallbackSymbol)]
+    assert len(fallbacks) > 300
+    names = [_fallback_name(fn) for fn in fallbacks]
+    assert len(set(names)) == len(names), "two torch callables share a prim name"
+    assert all(name.isidentifier() for name in names)
+    assert _fallback_name(torch.sum) == "torch_sum"
+    assert _fallback_name(torch.Tensor.sum) == "Tensor_sum"
+    assert _fallback_name(torch.nn.functional.linear) == "nn_functional_linear"
+    # the family prims (dtensor_sum_to_size_prim, dtensor_mul_prim, ...) never collide with a fallback
+    family = {name for name in DTENSOR_PRIMS if not name.endswith("_vjp_prim")}
+    assert not family & {f"dtensor_{n}_prim" for n in names}
+
+
+def test_fallback_prim_names_do_not_depend_on_what_ran_first():
+    """A fresh process creates fallback prims in the opposite order and gets the same names as this one."""
+    fns = "[torch.sum, torch.Tensor.sum, torch.cumsum, torch.nn.functional.linear]"
+    code = (
+        "import thunder_dtensor, torch; from thunder_dtensor.ops.fallback import fallback_prim; "
+        f"print([fallback_prim(f).name for f in {fns}[::-1]][::-1])"
+    )
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    here = [fallback_prim(f).name for f in eval(fns)]
+    assert here == ["dtensor_torch_sum_prim", "dtensor_Tensor_sum_prim", "dtensor_torch_cumsum_prim"] + [
+        "dtensor_nn_functional_linear_prim"
+    ]
+    assert fresh.stdout.strip() == str(here)
+
+
+def test_declared_torch_range_is_the_tested_one():
+    low, high = _integration.TORCH_TESTED_RANGE
+    assert low <= _integration.TORCH_VERSION < high
+    pyproject = open(__file__.rsplit("/tests/", 1)[0] + "/pyproject.toml").read()
+    assert f'"torch>={low},<{high}"' in pyproject

@@ -1,0 +1,125 @@
+"""Opt-in check that every rank compiled the same sequence of DTensor ops (``THUNDER_DTENSOR_CHECK_COLLECTIVES=1``).
+
+Every rank must issue the same collectives in the same order, or a job hangs. Today the collectives are
+implicit inside the dtensor prims (each runs the eager DTensor op, which derives them from the input specs),
+so two ranks agree when their programs hold the same dtensor prims, in the same order, on inputs and outputs
+of the same global specs. Each rank traces its own program, though, and Python that branches on the rank
+(or on anything else that differs per rank) at trace time gives ranks different programs.
+
+With the variable set, each time thunder.jit finishes a program (forward and backward traces) every rank
+describes its dtensor ops with global-level specs only (placements, global shape, dtype, mesh shape and dim
+names; never local shapes, which legitimately differ with uneven shards, nor rank lists, which differ on a
+sub-mesh), hashes the description and all-gathers the hash over the default process group. Only on a
+mismatch are the full descriptions gathered, and every rank raises :class:`CollectiveMismatchError` naming
+the first differing position and each rank's op there. Both gathers are made by every rank (the decision to
+gather again is taken from the same gathered hashes), so no rank is left blocked in a collective.
+
+Limits: the check gathers over the default process group, so every rank of it must compile the program
+(not, e.g., only the ranks of a sub-mesh); programs with neither DTensor inputs nor dtensor ops are not
+checked (a rank-0-only plain program must not block). A rank that hits thunder's cache while another
+retraces is not detected (it gathers nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from thunder_dtensor import _integration as ti
+from thunder_dtensor.executor import dtensor_ex
+from thunder_dtensor.proxy import DTensorProxy
+
+__all__ = ["ENV_VAR", "CollectiveMismatchError", "check_compiled_program", "enabled", "program_ops"]
+
+#: Set to ``1`` to check, at every compilation, that all ranks compiled the same DTensor ops.
+ENV_VAR = "THUNDER_DTENSOR_CHECK_COLLECTIVES"
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks compiled different sequences of DTensor ops: running the program would hang or mix up data."""
+
+    def __init__(self, position: str, ops_by_rank: dict[int, str]):
+        lines = [f"ranks compiled different DTensor programs; first difference at {position}:"]
+        lines += [f"  rank {rank}: {op}" for rank, op in sorted(ops_by_rank.items())]
+        lines.append(
+            "  hint: every rank must trace the same DTensor ops on the same placements; look for Python that "
+            "branches on the rank (or on other per-rank values) inside the jitted function"
+        )
+        super().__init__("\n".join(lines))
+        self.position = position
+        self.ops_by_rank = ops_by_rank
+
+
+def enabled() -> bool:
+    """Read at every compilation, so setting the variable later in a process takes effect."""
+    return os.environ.get(ENV_VAR, "") == "1"
+
+
+def _describe_dtensor(p: DTensorProxy) -> str:
+    mesh = p.device_mesh
+    names = "" if mesh.mesh_dim_names is None else f" names={tuple(mesh.mesh_dim_names)}"
+    placements = ", ".join(repr(pl) for pl in p.placements)
+    return f"{p.dtype.shortname()}{list(p.shape)} ({placements}) mesh={mesh.device_type}{tuple(mesh.shape)}{names}"
+
+
+def describe_op(bsym: ti.BoundSymbol) -> str:
+    """One dtensor op as every rank should see it: the prim and the global specs of its DTensor ins and outs."""
+    ins = ", ".join(_describe_dtensor(a) for a in bsym.flat_args if isinstance(a, DTensorProxy))
+    outs = ", ".join(_describe_dtensor(o) for o in bsym.flat_outs if isinstance(o, DTensorProxy))
+    return f"{bsym.sym.name}({ins}) -> ({outs})"
+
+
+def program_ops(traces: Sequence[tuple[str, Any]]) -> list[str]:
+    """The dtensor ops of ``(label, trace)`` pairs, in execution order, each prefixed with its label."""
+    ops = []
+    for label, trace in traces:
+        if trace is None:
+            continue
+        for bsym in trace.bound_symbols:
+            if getattr(bsym.sym, "executor", None) is dtensor_ex:
+                ops.append(f"{label}: {describe_op(bsym)}")
+    return ops
+
+
+def _all_gather(obj: Any) -> list:
+    """``obj`` from every rank of the default process group (a hook for tests)."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _first_difference(sequences: list[list[str]]) -> tuple[str, dict[int, str]]:
+    longest = max(len(s) for s in sequences)
+    for i in range(longest):
+        at_i = {rank: (s[i] if i < len(s) else "<end of program>") for rank, s in enumerate(sequences)}
+        if len(set(at_i.values())) > 1:
+            labels = {op.split(":", 1)[0] for op in at_i.values() if op != "<end of program>"}
+            return f"op #{i} of the program ({'/'.join(sorted(labels))})", at_i
+    raise AssertionError("sequences differ in their hashes but not in their ops")
+
+
+def check_ops_agree(ops: list[str]) -> None:
+    """All-gather a hash of ``ops``; on a mismatch, gather the ops and raise on every rank."""
+    digest = hashlib.sha256("\n".join(ops).encode()).hexdigest()
+    if len(set(_all_gather(digest))) == 1:
+        return
+    position, ops_by_rank = _first_difference(_all_gather(ops))
+    raise CollectiveMismatchError(position, ops_by_rank)
+
+
+def check_compiled_program(computation_trace: Any, backward_trace: Any) -> None:
+    """thunder.jit's compile hook: with the variable set, check that all ranks compiled the same DTensor ops."""
+    if not enabled():
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    ops = program_ops((("forward", computation_trace), ("backward", backward_trace)))
+    inputs, _ = ti.tree_flatten(computation_trace.args)
+    if ops or any(isinstance(a, DTensorProxy) for a in inputs):
+        check_ops_agree(ops)

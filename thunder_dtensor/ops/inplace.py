@@ -1,0 +1,327 @@
+"""In-place ops on DTensors: ``x.add_(y)``, ``x.copy_(y)``, ``x[i] = v``, ``F.relu(x, inplace=True)``, ...
+
+thunder 0.2.6 keeps in-place ops in its traces the way it writes them for plain tensors: a torch symbol
+tagged ``IN_PLACE`` computes the new value out of place, then ``prims.copy_`` writes it into the first
+argument; thunder's alias pass (``thunder.core.update_aliases``) makes later reads use the written value,
+its DCE keeps the copy (``DONT_DCE``), and its autodiff passes the gradient of the written value to the
+copied one. DTensors take the same path, with dtensor prims in place of thunder's::
+
+    t2 = dtensor_mul_(y, w)                              # tagged IN_PLACE
+      # t0 = dtensor_snapshot_prim(y)                    # y's value for the backward (grad mode only)
+      # t1 = dtensor_mul__prim(t0, w)                    # the new value
+      # t2 = dtensor_copy__prim(t1, y, grad_enabled=True)  # written into y's local shard
+
+* The new value (``dtensor_<op>__prim``) is eager's in-place op run on a copy of the destination, so its
+  output spec, its collectives and its rejections are eager DTensor's for the in-place op: an in-place op
+  eager rejects (one that would change the destination's placements, say ``partial.add_(1)``) fails at
+  trace time with :class:`DTensorOpError`. Its gradient is eager's (the generic rule; ``add_``, ``sub_``
+  and ``mul_`` have dedicated ones, which do not recompute the op's redistribution).
+* ``dtensor_copy__prim(src, dst)`` is ``dst.copy_(src)`` on the runtime DTensors: the caller's DTensor (or
+  the intermediate) is updated in place, with its placements. As eager, copying into a leaf that requires
+  grad with grad mode on raises. It is also ``x.copy_(y)`` itself, with eager's redistribution of ``y``.
+* The destination's old value is overwritten at run time, so under grad mode an op whose gradient reads it
+  gets a snapshot first (eager saves the original ``self`` the same way); ops whose gradients never read
+  values (``add_``, ``sub_``, ``zero_``, ``fill_``, setitem, ...) skip it.
+
+Every in-place torch function / Tensor method in thunder's tables is covered this way (plus ``fill_``,
+which thunder lacks), and so are functions with an ``inplace=`` flag (``F.relu``, ``nn.ReLU(inplace=True)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from thunder_dtensor import _integration as ti
+from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
+from thunder_dtensor.executor import dtensor_ex
+from thunder_dtensor.ops.fallback import fallback_prim
+from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand
+from thunder_dtensor.primitive import (
+    DTENSOR_PRIMS,
+    define_dtensor_prim,
+    define_vjp,
+    propagate_on_fake_dtensors,
+)
+from thunder_dtensor.proxy import DTensorProxy, is_dtensor_proxy
+
+import torch
+
+__all__ = ["INPLACE_SYMBOLS", "VALUE_PRIMS", "dtensor_copy__prim", "inplace_symbol"]
+
+#: in-place op name (``add_``, ``setitem_``, ``functional_relu_``) -> its torch-level dtensor symbol
+INPLACE_SYMBOLS: dict[str, ti.Symbol] = {}
+#: in-place op name -> the prim computing its new value (``dtensor_add__prim``)
+VALUE_PRIMS: dict[str, ti.Symbol] = {}
+
+# In-place ops whose gradient never reads the destination's old value: no snapshot needed under grad mode.
+_GRADIENT_READS_NO_VALUES = frozenset({"add_", "sub_", "zero_", "fill_", "neg_", "setitem_"})
+
+# Random ops: the generic gradient recomputes the op, which would draw other numbers.
+_RANDOM_NAME_PARTS = ("dropout", "rrelu")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The copy into the destination, and alias updates over DTensors
+# ---------------------------------------------------------------------------------------------------------
+def _copy_into(src: Any, dst: Any, *, grad_enabled: bool) -> Any:
+    """``dst.copy_(src)``; like eager, a leaf that requires grad cannot be written with grad mode on."""
+    if grad_enabled and dst.is_leaf and dst.requires_grad:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    return dst.copy_(src)
+
+
+def _copy_meta(src: Any, dst: Any, *, grad_enabled: bool) -> Any:
+    def copy_on_fakes(src: Any, dst: Any) -> Any:
+        return dst.copy_(src)
+
+    return propagate_on_fake_dtensors("dtensor_copy__prim", copy_on_fakes, (src, dst), {})
+
+
+def _define_copy_prim() -> ti.Symbol:
+    # By hand rather than with define_dtensor_prim: the copy must carry DONT_DCE (its output is often unused)
+    # and its runtime function writes into its argument, so it has no generic (recomputing) gradient.
+    name = "dtensor_copy__prim"
+    prim = ti.make_prim(f"thunder_dtensor.{name}", name, meta=_copy_meta, tags=(ti.OpTags.DONT_DCE,))
+    op = dtensor_ex.register_operator(name, like=prim, fn=_copy_into)
+    dtensor_ex.register_implementation(prim, op, checker=lambda *args, **kwargs: True)
+    DTENSOR_PRIMS[name] = prim
+    return prim
+
+
+dtensor_copy__prim = _define_copy_prim()
+
+
+@define_vjp(dtensor_copy__prim)
+def _copy_vjp(g, out, src, dst, *, grad_enabled):
+    # The written value's gradient goes to the source (in the destination's spec, as eager's copy_ backward,
+    # reduced to the source's shape and dtype); the destination's old value is overwritten and gets none.
+    return grad_for_operand(g, src), None
+
+
+def _update_aliases_meta(aliases: tuple) -> tuple:
+    return tuple(
+        DTensorProxy(like=a, requires_grad=a.requires_grad)
+        if isinstance(a, DTensorProxy)
+        else ti.TensorProxy(like=a, requires_grad=a.requires_grad)
+        for a in aliases
+    )
+
+
+dtensor_update_aliases_prim = define_dtensor_prim(
+    "update_aliases", lambda aliases: aliases, meta=_update_aliases_meta, differentiable=False
+)
+
+
+def _update_aliases_grad(aliases: tuple) -> tuple:
+    # the same values under new names: gradients pass through unchanged
+    updated = dtensor_update_aliases_prim(aliases)
+    for new, old in zip(updated, aliases):
+        ti.put_grad(old, ti.get_grad(new))
+    return updated
+
+
+ti.register_grad(dtensor_update_aliases_prim, _update_aliases_grad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-place symbols: new value (eager's in-place op on a copy), then the copy into the destination
+# ---------------------------------------------------------------------------------------------------------
+def _fresh_copy(a: Any) -> Any:
+    # not a.clone(): eager's clone of a Partial DTensor reduces it (an all_reduce, and Replicate placements)
+    return torch.empty_like(a).copy_(a)
+
+
+#: A copy of a DTensor in its own placements, without communication (the snapshot of a destination).
+dtensor_snapshot_prim = define_dtensor_prim("snapshot", _fresh_copy)
+
+
+def _on_a_copy(torch_fn: Callable) -> Callable:
+    """``torch_fn`` applied to a copy of its first argument; returns that copy (setitem itself returns None)."""
+
+    def run(a: Any, *args: Any, **kwargs: Any) -> Any:
+        out = _fresh_copy(a)
+        torch_fn(out, *args, **kwargs)
+        return out
+
+    return run
+
+
+def _is_basic_index(key: Any) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, (int, slice)) for k in keys)
+
+
+def _setitem(a: Any, key: Any, value: Any) -> None:
+    """``a[key] = value``, refusing what eager DTensor gets silently wrong.
+
+    Eager slices a DTensor along a sharded dim by first redistributing it; the write then lands in that
+    temporary, and ``a`` keeps its old values (torch 2.13). Such a write is refused instead.
+    """
+    if isinstance(a, ti.DTensor) and _is_basic_index(key):
+        target = a[key]
+        if target.numel() > 0 and not ti.local_shards_alias(target, a):
+            raise RuntimeError(
+                f"setitem with index {key!r} on placements {tuple(a.placements)}: eager DTensor indexes a sharded "
+                "dim on a redistributed copy, so the write would not reach the tensor; index a dim that is not "
+                "sharded, or redistribute the tensor first"
+            )
+    a[key] = value
+
+
+def inplace_symbol(name: str, torch_fn: Callable) -> ti.Symbol:
+    """The torch-level dtensor symbol for the in-place op ``name`` (one per name); ``torch_fn`` writes its 1st arg."""
+    symbol = INPLACE_SYMBOLS.get(name)
+    if symbol is not None:
+        return symbol
+    value_prim = VALUE_PRIMS[name] = define_dtensor_prim(name, _on_a_copy(torch_fn))
+    snapshot = name not in _GRADIENT_READS_NO_VALUES
+
+    def inplace(a, *args, **kwargs):
+        grad_enabled = ti.grad_enabled_while_tracing()
+        source = dtensor_snapshot_prim(a) if snapshot and grad_enabled and isinstance(a, DTensorProxy) else a
+        return dtensor_copy__prim(value_prim(source, *args, **kwargs), a, grad_enabled=grad_enabled)
+
+    inplace.__name__ = f"dtensor_{name}"
+    symbol = INPLACE_SYMBOLS[name] = ti.inplace_torchsymbol(inplace.__name__)(inplace)
+    return symbol
+
+
+def _add_or_sub_vjp(sign: int) -> Callable:
+    """``a.add_(b, alpha=alpha)``: the gradient passes to ``a`` and, scaled by ``±alpha``, to ``b``.
+
+    Dedicated rather than generic: the generic rule would recompute the op, redistribution of ``b`` included.
+    """
+
+    def vjp(g, out, a, b, *, alpha=1):
+        scale = sign * (ti.pyval(alpha) if isinstance(alpha, ti.NumberProxy) else alpha)
+        return g, grad_for_operand(g if scale == 1 else dtensor_mul_prim(g, scale), b)
+
+    return vjp
+
+
+def _mul_vjp(g, out, a, b):
+    # ``a`` is the destination's value before the write (its snapshot under grad mode)
+    grad_b = grad_for_operand(dtensor_mul_prim(g, a), b) if isinstance(b, ti.TensorProxy) else None
+    return grad_for_operand(dtensor_mul_prim(g, b), a), grad_b
+
+
+inplace_symbol("add_", torch.Tensor.add_)
+inplace_symbol("sub_", torch.Tensor.sub_)
+inplace_symbol("mul_", torch.Tensor.mul_)
+define_vjp(VALUE_PRIMS["add_"])(_add_or_sub_vjp(1))
+define_vjp(VALUE_PRIMS["sub_"])(_add_or_sub_vjp(-1))
+define_vjp(VALUE_PRIMS["mul_"])(_mul_vjp)
+
+
+def _copy_(a, src, non_blocking=False):
+    return dtensor_copy__prim(src, a, grad_enabled=ti.grad_enabled_while_tracing())
+
+
+_copy_.__name__ = "dtensor_copy_"
+INPLACE_SYMBOLS["copy_"] = ti.inplace_torchsymbol("dtensor_copy_")(_copy_)
+
+
+class _MaybeInPlace:
+    """A function with an ``inplace`` flag (``F.relu(x, inplace=True)``): the in-place symbol when it is set.
+
+    It is not a symbol itself, so that the in-place symbol is the one in the trace (thunder's alias pass
+    looks for its tag there).
+    """
+
+    def __init__(self, torch_fn: Callable, index: int, out_of_place: Callable) -> None:
+        self.torch_fn = torch_fn
+        self.index = index
+        self.out_of_place = out_of_place
+        self.in_place = inplace_symbol(f"functional_{torch_fn.__name__}_", torch_fn)
+        self.name = f"dtensor_{torch_fn.__name__}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "inplace" in kwargs:
+            inplace = kwargs["inplace"]
+            plain_args, plain_kwargs = args, {k: v for k, v in kwargs.items() if k != "inplace"}
+        else:
+            inplace = args[self.index] if len(args) > self.index else False
+            plain_args, plain_kwargs = args[: self.index] + args[self.index + 1 :], kwargs
+        if inplace:
+            return self.in_place(*args, **kwargs)
+        return self.out_of_place(*plain_args, **plain_kwargs)
+
+
+def _raise_unknown_attribute(name: str) -> Callable:
+    # thunder has no plain-tensor version of these methods: plain programs fail as they did
+    def unknown(*args: Any, **kwargs: Any) -> Any:
+        raise AttributeError(f"Unknown attribute {name}")
+
+    unknown.__name__ = name
+    return unknown
+
+
+def _is_in_place_name(name: str) -> bool:
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _is_random(name: str) -> bool:
+    return any(part in name for part in _RANDOM_NAME_PARTS)
+
+
+def _register(torch_fn: Callable, single: Callable, symbol: Callable, method_name: str | None = None) -> None:
+    dispatcher = DTensorDispatcher(single, symbol)
+    ti.register_torch_function(torch_fn, dispatcher, method_name=method_name)
+    DISPATCH_TABLE[torch_fn] = dispatcher
+
+
+def register_inplace_ops() -> int:
+    """Route every in-place torch function / Tensor method thunder knows to its in-place symbol on DTensors."""
+    count = 0
+    methods = ti.thunder_methods()
+    for torch_fn, single in list(ti.torch_to_thunder_map().items()):
+        name = getattr(torch_fn, "__name__", "")
+        if torch_fn is torch.Tensor.__setitem__:
+            name = "setitem_"
+        elif not _is_in_place_name(name) or _is_random(name):
+            continue
+        if isinstance(single, DTensorDispatcher) or torch_fn in DISPATCH_TABLE:
+            continue
+        # torch.relu_(x) and x.relu_() are one op: one symbol, named after it, run as the Tensor method
+        writer = _setitem if name == "setitem_" else getattr(torch.Tensor, name, torch_fn)
+        symbol = INPLACE_SYMBOLS.get(name) or inplace_symbol(name, writer)
+        method = name if methods.get(name) is single else None
+        _register(torch_fn, single, symbol, method_name=method)
+        count += 1
+
+    # Tensor.fill_: thunder has no symbol for it (plain programs keep failing the way they did)
+    if torch.Tensor.fill_ not in DISPATCH_TABLE and "fill_" not in methods:
+        symbol = inplace_symbol("fill_", torch.Tensor.fill_)
+        _register(torch.Tensor.fill_, _raise_unknown_attribute("fill_"), symbol, method_name="fill_")
+        count += 1
+
+    # Functions with an ``inplace`` flag: F.relu(x, inplace=True), hence nn.ReLU(inplace=True)
+    for torch_fn, single in list(ti.torch_to_thunder_map().items()):
+        name = getattr(torch_fn, "__name__", "")
+        if _is_random(name) or getattr(torch.nn.functional, name, None) is not torch_fn:
+            continue
+        existing = single if isinstance(single, DTensorDispatcher) else None
+        if existing is not None:
+            if isinstance(existing.dtensor_symbol, _MaybeInPlace):
+                continue
+            single = existing.single_device_symbol
+        index = ti.inplace_argument_index(single)
+        if index is None:
+            continue
+        if existing is not None:
+            out_of_place = existing.dtensor_symbol
+        else:
+
+            def out_of_place(*args: Any, _torch_fn: Callable = torch_fn, **kwargs: Any) -> Any:
+                return fallback_prim(_torch_fn)(*args, **kwargs)
+
+        _register(torch_fn, single, _MaybeInPlace(torch_fn, index, out_of_place))
+        count += 1
+    return count
+
+
+ti.keep_dtensors_in_alias_updates(
+    is_dtensor_proxy, lambda p: DTensorProxy(like=p, requires_grad=p.requires_grad), dtensor_update_aliases_prim
+)
+register_inplace_ops()

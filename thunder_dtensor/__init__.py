@@ -40,6 +40,12 @@ if DISTRIBUTED_AVAILABLE:
     _integration.set_cotangent_proxy_factory(guards.make_cotangent_proxy)
     _integration.make_isinstance_see_dtensor_proxies(DTensorProxy)
     _integration.make_placements_opaque()
+    _integration.read_root_module_state_from_user_module()
+
+    from thunder_dtensor import consistency
+
+    # every rank compiled the same DTensor ops (opt-in: THUNDER_DTENSOR_CHECK_COLLECTIVES=1)
+    _integration.install_compiled_program_hook(consistency.check_compiled_program)
 
     from thunder_dtensor.thunderfx import dtensor_node_support
 

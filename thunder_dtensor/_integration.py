@@ -686,10 +686,6 @@ def read_root_module_state_from_user_module() -> None:
     jit_ext._general_jit_lookaside_map[getattr] = getattr_lookaside
 
 
-if DISTRIBUTED_AVAILABLE:
-    read_root_module_state_from_user_module()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # In-place ops (thunder 0.2.6 layout; used by ops/inplace.py)
 #
@@ -731,7 +727,9 @@ def inplace_argument_index(symbol: Any) -> int | None:
     return entry[1]
 
 
-def keep_dtensors_in_alias_updates(is_dtensor_proxy: Callable, new_alias: Callable, update_aliases_prim: Symbol) -> None:
+def keep_dtensors_in_alias_updates(
+    is_dtensor_proxy: Callable, new_alias: Callable, update_aliases_prim: Symbol
+) -> None:
     """Make thunder's alias updates keep DTensor proxies and run on the dtensor executor.
 
     * ``new_alias(p)`` makes the proxy for the updated alias of the DTensor proxy ``p``; thunder would make a

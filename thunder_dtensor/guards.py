@@ -147,9 +147,3 @@ def make_cotangent_proxy(a: Any) -> DTensorProxy | None:
     if not isinstance(a, DTensorProxy):
         return None
     return DTensorProxy(meta=a.meta.as_cotangent(), device=a.device, requires_grad=a.requires_grad)
-
-
-# --- compile time: every rank compiled the same DTensor ops (opt-in, see consistency.py) ------------------
-from thunder_dtensor import consistency  # noqa: E402
-
-ti.install_compiled_program_hook(consistency.check_compiled_program)

@@ -265,7 +265,18 @@ def _run(kind: str, fn: Callable, sample: Any, mesh: Any) -> _Outcome:
         torch.manual_seed(SEED)
         out = (thunder.jit(call) if kind == "thunder" else call)(*args, **kwargs)
     except Exception as e:
-        return _Outcome(fwd_error=_error(e))
+        needs_grad = any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves((args, kwargs)))
+        if kind != "thunder" or not needs_grad:
+            return _Outcome(fwd_error=_error(e))
+        # thunder traces the backward with the forward: an error of the backward's trace surfaces here.
+        # The forward alone (no input requires grad) tells which of the two fails.
+        detached = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        try:
+            torch.manual_seed(SEED)
+            out = thunder.jit(call)(*detached[0], **detached[1])
+        except Exception:
+            return _Outcome(fwd_error=_error(e))
+        return _Outcome(out, bwd_error=_error(e))
     try:
         return _Outcome(out, _backward(out, args, kwargs))
     except Exception as e:
@@ -457,7 +468,7 @@ def summary(results: list[OpResult]) -> dict[str, int]:
 
 def to_markdown(results: list[OpResult], world_size: int, *, max_samples: int | None = None) -> str:
     s = summary(results)
-    which = "all its samples" if max_samples is None else f"the first {max_samples} samples per op"
+    which = "every sample of each op" if max_samples is None else f"the first {max_samples} samples of each op"
     lines = [
         "## OpInfo sweep",
         "",

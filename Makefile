@@ -41,8 +41,8 @@ tp-demo: setup
 	$(RUN2) examples/tp_transformer.py
 
 lint: setup
-	$(VENV)/bin/ruff check thunder_dtensor tests examples
-	$(VENV)/bin/ruff format --check thunder_dtensor tests examples
+	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts
+	$(VENV)/bin/ruff format --check thunder_dtensor thunder_dtensor_autoload.py tests examples
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -7,7 +7,8 @@ What is patched, and why:
 
 * torch >= 2.13 removed five named-tensor methods that thunder <= 0.2.6 lists for auto-registration, so
   ``import thunder`` fails. We add placeholders for the duration of the import only, then remove them
-  from ``torch.Tensor`` and from thunder's tables again.
+  from ``torch.Tensor`` and from thunder's tables again (also those ``thunder_dtensor_autoload`` added
+  when thunder was imported first).
 * thunder 0.2.6 registers its own experimental DTensor dispatch wrappers when imported; we undo them
   (``_remove_thunder_experimental_dtensor_registrations``) and refresh ConstantFolding's inverted map.
 * thunder's core calls hooks of its own experimental DTensor path (proxy creation, prologue checks,
@@ -22,9 +23,21 @@ What is patched, and why:
 * The prologue reads the hook dicts (``_forward_hooks`` & co.) of the module passed to ``thunder.jit`` from
   that module, not from its ``ThunderModule`` wrapper, whose own are empty: tensor-parallel styles on the
   root module otherwise fail with ``KeyError`` (``read_root_module_state_from_user_module``).
+* In-place DTensor ops keep their DTensor proxies through thunder's alias updates, which run on the dtensor
+  executor (``keep_dtensors_in_alias_updates``); their symbols are tagged as thunder's own in-place ones
+  (``inplace_torchsymbol``).
+* ``thunder.CacheEntry`` is built through a subclass that first shows each compiled program to a hook
+  (``install_compiled_program_hook``: the opt-in rank-consistency check).
 * thunderfx's splitter asks this package about nodes with DTensors or a device mesh, skips thunder's
   translation to its experimental prims, passes the mesh through its example-input metadata, and gives
   thunder.jit graph modules already compiled to Python (``install_thunderfx_support``).
+
+Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
+``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
+``torch.distributed.tensor._dtensor_spec.DTensorSpec`` / ``TensorMeta`` (and ``DTensorSpec.shard_order``),
+``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, ``torch._subclasses.fake_tensor``
+(``FakeTensorMode``, its exceptions and logger), ``torch._library.fake_class_registry.FakeScriptObject``,
+``torch.utils._pytree``, ``torch._C._is_alias_of``.
 """
 
 from __future__ import annotations
@@ -332,6 +345,31 @@ def local_offset(dtensor: Any) -> tuple[int, ...]:
 def clear_sharding_propagation_cache() -> None:
     """Drop DTensor's cached sharding decisions (some carry state, e.g. eager's MaskPartial mask buffers)."""
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+
+
+def is_fake(x: Any) -> bool:
+    """Whether ``x`` is a fake tensor (a trace-time stand-in), or a DTensor around one."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(local_tensor(x) if isinstance(x, DTensor) else x, FakeTensor)
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the default random generator of ``device`` (what a random op draws from)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def fork_rng_of(values: list) -> Any:
+    """``torch.random.fork_rng`` over the generators of the devices of ``values`` (tensors or DTensors)."""
+    cuda = sorted({v.device.index or 0 for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"})
+    return torch.random.fork_rng(devices=cuda)
 
 
 @contextlib.contextmanager

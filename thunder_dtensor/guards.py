@@ -95,6 +95,10 @@ def _cotangent_meta(ct: DTensorProxy, spec: Any) -> DTensorProxy:
 
 
 def _cotangent_impl(ct: Any, spec: Any) -> Any:
+    if not isinstance(ct, ti.DTensor):
+        # autograd materialises an unused output's cotangent as plain zeros when that output is an input
+        # returned as is (``torch.atleast_2d([x, y])``): read a plain cotangent as the full value
+        ct = ti.DTensor.from_local(ct, spec.mesh, [ti.Replicate()] * spec.mesh.ndim, run_check=False)
     if ti.dtensor_spec(ct) == spec:
         return ct
     # Same global value, other placements: move it to the placements the backward was traced for.

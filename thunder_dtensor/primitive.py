@@ -255,7 +255,9 @@ def run_vjp(torch_fn: Callable, args: tuple, kwargs: dict, cotangents: tuple, di
 
 
 def _forward_with_leaves(torch_fn: Callable, flat: list, spec: Any, indices: tuple) -> tuple[dict, list]:
-    with torch.enable_grad():
+    # the recomputation leaves the random generators as they were: eager's backward draws no numbers (a
+    # random op replays its forward's draw from a generator state it takes as an argument: see attention)
+    with torch.enable_grad(), ti.fork_rng_of(flat):
         leaves = {i: flat[i].detach().requires_grad_() for i in indices}
         fargs, fkwargs = ti.torch_tree_unflatten([leaves.get(i, x) for i, x in enumerate(flat)], spec)
         outs = [o for o in ti.torch_tree_flatten(torch_fn(*fargs, **fkwargs))[0] if isinstance(o, torch.Tensor)]

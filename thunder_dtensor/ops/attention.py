@@ -24,8 +24,14 @@ import torch.nn.functional as F
 ltorch = ti.ltorch
 
 
-def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Fused SDPA on the local shards of batch/head-sharded DTensors; the output has q's spec."""
+def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, rng_state=None):
+    """Fused SDPA on the local shards of batch/head-sharded DTensors; the output has q's spec.
+
+    With dropout, ``rng_state`` is the generator state the forward drew its mask from: the generic
+    gradient's recomputation starts from it again, so it replays the forward's mask.
+    """
+    if rng_state is not None and not ti.is_fake(rng_state):
+        ti.set_rng_state(rng_state, q.device)
     mask = attn_mask
     if isinstance(attn_mask, ti.DTensor):
         # a replicated mask is broadcast over q's sharded batch/head dims: its gradient sums over those shards
@@ -51,7 +57,9 @@ def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
             enable_gqa=enable_gqa,
         )
     spec = ti.dtensor_spec(q)
-    shape = tuple(q.shape[:-1]) + tuple(v.shape[-1:])
+    # q, k and v broadcast over their batch dims (a 3-D q against 4-D k and v, say)
+    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    shape = batch + (q.shape[-2], v.shape[-1])
     stride = contiguous_stride(shape)
     return ti.DTensor.from_local(out, spec.mesh, spec.placements, run_check=False, shape=shape, stride=stride)
 
@@ -68,6 +76,17 @@ def _attention_by_definition(q, k, v, mask, is_causal, scale):
 
 
 dtensor_local_sdpa_prim = define_dtensor_prim("local_sdpa", _local_sdpa)
+
+
+def _rng_state_meta(q: DTensorProxy) -> ti.TensorProxy:
+    state = ti.rng_state(ti.devices.to_torch_device(q.device))  # only its shape: reading draws nothing
+    return ti.TensorProxy(shape=tuple(state.shape), dtype=ti.dtypes.uint8, device=ti.devices.cpu)
+
+
+#: the generator state a random op on ``q``'s device is about to draw from
+dtensor_rng_state_prim = define_dtensor_prim(
+    "rng_state", lambda q: ti.rng_state(q.device), meta=_rng_state_meta, differentiable=False
+)
 
 
 def _shards_only_batch_or_heads(t: DTensorProxy) -> bool:
@@ -89,15 +108,29 @@ def _mask_is_local(mask: Any, q: DTensorProxy) -> bool:
 def dtensor_scaled_dot_product_attention(
     q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
+    dtensors = all(isinstance(t, DTensorProxy) for t in (q, k, v))
+    if dtensors and _shards_only_batch_or_heads(q) and _mask_is_local(attn_mask, q):
+        # replicated k / v next to a batch- or head-sharded q: take their matching slice (no communication),
+        # as eager DTensor does, and attend on the local shards
+        k, v = (_slice_like(t, q) for t in (k, v))
     local = (
-        all(isinstance(t, DTensorProxy) for t in (q, k, v))
+        dtensors
         and q.placements == k.placements == v.placements
+        and q.ndim == k.ndim == v.ndim
         and _shards_only_batch_or_heads(q)
         and _mask_is_local(attn_mask, q)
     )
     if local:
         return dtensor_local_sdpa_prim(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            rng_state=_rng_state_if_random(q, dropout_p),
         )
     # any other layout (a sharded sequence or head_dim, mixed placements): gather to Replicate, attend locally
     replicated = [_replicate(t) for t in (q, k, v)]
@@ -107,8 +140,27 @@ def dtensor_scaled_dot_product_attention(
         lambda: "scaled_dot_product_attention: q, k and v must all be DTensors (as eager DTensor requires)",
     )
     return dtensor_local_sdpa_prim(
-        *replicated, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        *replicated,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        rng_state=_rng_state_if_random(replicated[0], dropout_p),
     )
+
+
+def _rng_state_if_random(q: DTensorProxy, dropout_p: Any) -> Any:
+    return dtensor_rng_state_prim(q) if dropout_p != 0.0 else None
+
+
+def _slice_like(t: DTensorProxy, q: DTensorProxy) -> DTensorProxy:
+    """A Replicate ``t`` with ``q``'s placements, where ``q`` shards dims ``t`` has at the same size."""
+    if t.placements == q.placements or t.ndim != q.ndim or any(not isinstance(p, ti.Replicate) for p in t.placements):
+        return t
+    if any(isinstance(p, ti.Shard) and t.shape[p.dim] != q.shape[p.dim] for p in q.placements):
+        return t
+    return dtensor_redistribute(t, None, list(q.placements))
 
 
 def _replicate(t: Any) -> Any:

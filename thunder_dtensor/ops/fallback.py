@@ -89,9 +89,27 @@ def _is_ours(fn: Any) -> bool:
     return isinstance(fn, DTensorDispatcher) or str(getattr(fn, "id", "")).startswith("thunder_dtensor.")
 
 
+#: torch functions thunder has no symbol for that DTensor runs: prims for DTensor calls, plain calls fail as before
+_UNMAPPED_TORCH_FUNCTIONS = (torch.fill,)
+
+
+def _not_supported_by_thunder(torch_fn: Callable) -> Callable:
+    def not_supported(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"Trying to call function {torch_fn}, but it is not yet supported by thunder")
+
+    not_supported.__name__ = getattr(torch_fn, "__name__", "op")
+    return not_supported
+
+
 def register_fallbacks() -> int:
     """Wrap every unclaimed entry of thunder's tables; returns how many were wrapped."""
     count = 0
+    for torch_fn in _UNMAPPED_TORCH_FUNCTIONS:
+        if torch_fn not in DISPATCH_TABLE and torch_fn not in ti.torch_to_thunder_map():
+            dispatcher = DTensorDispatcher(_not_supported_by_thunder(torch_fn), _FallbackSymbol(torch_fn))
+            ti.register_torch_function(torch_fn, dispatcher)
+            DISPATCH_TABLE[torch_fn] = dispatcher
+            count += 1
     for torch_fn, single in list(ti.torch_to_thunder_map().items()):
         name = getattr(torch_fn, "__name__", "")
         if torch_fn in DISPATCH_TABLE or _is_ours(single) or _is_in_place(name):

@@ -33,7 +33,7 @@ test-dist2: setup
 test-dist4: setup
 	$(RUN4) -m pytest tests/distributed -q -p no:cacheprovider
 
-# the full OpInfo sweep (a few minutes): rewrites docs/op_coverage.md
+# the full OpInfo sweep, every sample (7-11 minutes on 2 cores): rewrites docs/op_coverage.md
 op-coverage: setup
 	$(RUN2) scripts/op_coverage.py
 

@@ -26,10 +26,11 @@ eager DTensor's placements (`tests/distributed/test_ops.py`, `test_norms.py`, `t
 
 | family | torch functions and methods |
 |---|---|
-| pointwise | `add` `sub` `mul` `div` `true_divide` `pow` `maximum` `minimum` `eq` `ne` `lt` `le` `gt` `ge` `where` `clamp` `neg` `abs` `exp` `log` `sqrt` `rsqrt` `reciprocal` `tanh` `sigmoid` `sin` `cos` `erf` `sign` `relu` `F.relu` `F.silu` `F.gelu` (both forms), operators incl. reflected, broadcasting, type promotion, `Tensor.to(dtype)` `float` `half` `bfloat16` `type_as` |
-| attention | `F.scaled_dot_product_attention`: fused kernel on local shards when batch/heads are sharded (works on CPU meshes, where eager has no strategy); other layouts gathered first |
+| pointwise | one prim per torch op: `add` `sub` `mul` `div` `true_divide` `pow` `maximum` `minimum` `eq` `ne` `lt` `le` `gt` `ge` `where` `clamp` (tensor bounds too, torch's gradient at ties) `neg` `abs` `exp` `log` `sqrt` `rsqrt` `reciprocal` `tanh` `sigmoid` `sin` `cos` `erf` `sign` `relu` `F.relu` `F.silu` `F.gelu` (both forms), operators incl. reflected, broadcasting and type promotion (DTensor's own), `Tensor.to(dtype)` `float` `half` `bfloat16` `type_as` |
+| attention | `F.scaled_dot_product_attention`: fused kernel on local shards when batch/heads are sharded (works on CPU meshes, where eager has no strategy; replicated k / v are sliced to q's shards, as eager does; dropout replays the forward's mask in the backward); other layouts gathered first |
 | embedding | `F.embedding`, incl. vocab-parallel (table `Shard(0)`): output `Partial(sum)`, table gradient `Shard(0)` |
 | random | `F.dropout` (mask drawn once, reused by the backward) |
+| in-place | every in-place op thunder knows (`add_` `sub_` `mul_` `div_` `copy_` `zero_` `fill_` `clamp_` `relu_` ...), setitem on dims that are not sharded, `inplace=True` of `F.relu` & co.: eager's in-place op on a copy, then `dtensor_copy__prim` into the destination (the caller's DTensor too) |
 | redistribute | `DTensor.redistribute`, `full_tensor`, `to_local`, `DTensor.from_local` |
 | factories | `zeros_like` `ones_like` `full_like` `empty_like` `rand_like` `randn_like` |
 | per-op prims (fallback) | every other torch function or Tensor method thunder knows, including `matmul` `mm` `bmm` `F.linear` `F.layer_norm` `F.rms_norm` `softmax` `log_softmax` `F.cross_entropy` `F.nll_loss` `sum` `mean` `amax` `var` and the views (`view` `reshape` `transpose` `permute` `unsqueeze` `squeeze` `flatten` `expand` `contiguous` `split` `chunk` `cat` `stack`, slicing): a prim named after the op (`{linear_prim}` for `F.linear`), eager DTensor's sharding rules, eager's backward (recomputing the op) |

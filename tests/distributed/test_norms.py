@@ -7,7 +7,7 @@ replicated; normalized_shape has 1 to 3 dims; elementwise_affine and bias on and
 
 import itertools
 
-from thunder_dtensor.testing import DTensorCase, make_full, run_case
+from thunder_dtensor.testing import DTensorCase, make_full, run_case, world_size
 
 import pytest
 import torch.nn.functional as F
@@ -38,6 +38,8 @@ def _ids(case):
 
 def _run(norm, case):
     kind, ndims, where, pattern = case
+    if world_size() == 4 and where != "sequence":
+        pytest.skip("even shards and replicated inputs: the 2-rank run covers this case (sequence 6 is uneven at 4)")
     normalized = SHAPE[-ndims:]
     x = make_full(SHAPE, seed=1)
     inputs, placements = [x], [PLACEMENTS[where]]

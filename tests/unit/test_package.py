@@ -62,3 +62,17 @@ def test_declared_torch_range_is_the_tested_one():
     assert low <= _integration.TORCH_VERSION < high
     pyproject = open(__file__.rsplit("/tests/", 1)[0] + "/pyproject.toml").read()
     assert f'"torch>={low},<{high}"' in pyproject
+
+
+def test_multi_rank_tests_without_torchrun_fail_with_an_instruction():
+    """Plain pytest on tests/distributed must not report green skips: it stops and says how to run them."""
+    import os
+
+    root = __file__.rsplit("/tests/", 1)[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/distributed/test_seed.py", "-q", "-p", "no:cacheprovider"],
+        capture_output=True, text=True, timeout=300, cwd=root, env=env,
+    )  # fmt: skip
+    assert result.returncode == 4, result.stdout[-2000:]
+    assert "torchrun --nproc-per-node 2 -m pytest tests/distributed" in result.stdout + result.stderr

@@ -8,7 +8,7 @@ trained in one process without DTensor; collectives are counted against eager DT
 
 import copy
 
-from thunder_dtensor.testing import device_type, mesh_1d, mesh_2d
+from thunder_dtensor.testing import device_type, mesh_1d, mesh_2d, world_size
 from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize
 
 import pytest
@@ -74,6 +74,8 @@ def _thunder_program(compiled, compiler: str):
 @pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_training_matches_single_process(sequence_parallel, compiler):
+    if compiler != "jit" and world_size() == 4:
+        pytest.skip("thunderfx at 4 ranks: the 2x2 mesh test covers it (suite time)")
     cfg = GPTConfig()
     ref = _reference(cfg)
     model = parallelize(copy.deepcopy(ref), mesh_1d(), sequence_parallel=sequence_parallel)

@@ -11,6 +11,7 @@ from thunder_dtensor import _integration
 from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, thunder
 
 __all__ = ["DISTRIBUTED_AVAILABLE", "thunder"]
+_integration.fix_complex_gradients()  # thunder 0.2.6's grad rules ignore complex conjugation (RoPE)
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import guards, ops  # noqa: F401
@@ -51,6 +52,10 @@ if DISTRIBUTED_AVAILABLE:
 
     _integration.install_thunderfx_support(dtensor_node_support)
 
+    from thunder_dtensor import autocast
+
+    autocast.install()  # torch.autocast around DTensor programs: its casts become dtensor prims in the trace
+
     __all__ += [
         "DTENSOR_PRIMS",
         "DTensorMeta",
@@ -64,3 +69,7 @@ if DISTRIBUTED_AVAILABLE:
         "register_function_for_dtensor",
         "register_method_for_dtensor",
     ]
+
+from thunder_dtensor.sdpa_backends import install_sdpa_kernel_support  # noqa: E402  (sdpa_kernel(...) in jitted code)
+
+install_sdpa_kernel_support()  # last: it wraps the SDPA lookaside the op registrations above installed

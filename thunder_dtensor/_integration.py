@@ -831,3 +831,365 @@ def install_compiled_program_hook(on_compiled: Callable[[Any, Any], None]) -> No
             return entry
 
     thunder.CacheEntry = CacheEntry
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Complex autograd (thunder 0.2.6 layout; installed by ``fix_complex_gradients``)
+#
+# torch differentiates complex functions with the conjugate Wirtinger convention: for a holomorphic ``f``
+# the vector-Jacobian product is ``g * conj(f'(z))`` (``grad_a = g * b.conj()`` for ``a * b``). thunder
+# 0.2.6's grad rules use ``g * f'(z)``, right for real tensors only, so every complex program gets wrong
+# gradients: RoPE written with ``view_as_complex(x) * freqs_cis`` (torchtitan's Llama 3), complex ``exp``,
+# ``matmul``... ``prims.real`` / ``prims.imag`` have no grad rule at all. Checked on thunder 0.2.6; the newest
+# upstream source we could read (commit 47627ed) has the same rules, so the gate covers every release this file
+# supports: narrow it once a fixed release exists. The replacement rules below are used only when an operand is
+# complex; programs on real tensors keep thunder's rules and traces exactly.
+# ---------------------------------------------------------------------------------------------------------
+#: thunder releases whose grad rules ignore complex conjugation (0.2.6 checked; no fixed release known)
+THUNDER_COMPLEX_GRADS_UNCONJUGATED = LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")
+
+import cmath  # noqa: E402
+
+from thunder.core.proxies import ComplexProxy  # noqa: E402
+
+
+def _is_complex(x: Any) -> bool:
+    if isinstance(x, TensorProxy):
+        return dtypes.is_complex_dtype(x.dtype)
+    return isinstance(x, (complex, ComplexProxy))
+
+
+def _conj(x: Any) -> Any:
+    """``x.conj()`` for tensors (a materialised copy, via torch's ``conj_physical``) and numbers; real ``x`` as is."""
+    if not _is_complex(x):
+        return x
+    if isinstance(x, TensorProxy):
+        conj_physical = ltorch._torch_to_thunder_function_map[torch.conj_physical]
+        # this package routes the map entry through a DTensor dispatcher: call thunder's own symbol behind it
+        return getattr(conj_physical, "single_device_symbol", conj_physical)(x)
+    return pyval(x).conjugate()
+
+
+def _log(x: Any) -> Any:
+    """``log`` of a tensor or of a (complex) number: thunder's number ``log`` takes real numbers only."""
+    return ltorch.log(x) if isinstance(x, TensorProxy) else cmath.log(pyval(x))
+
+
+def _holomorphic_grad_rule(prim: Symbol, vjps: tuple[Callable, ...], real_rule: Callable) -> Callable:
+    """A grad rule for the elementwise ``prim`` with torch's complex convention; ``real_rule`` for real operands.
+
+    ``vjps[i](g, *conj_args, conj_out)`` is the real-valued rule's vjp for operand ``i`` (``g * f_i'``), but
+    given the conjugated operands and output. For the functions below (real Taylor coefficients)
+    ``f'(conj z) == conj(f'(z))``, so that is exactly ``g * conj(f_i'(z))``.
+    """
+
+    def rule(*args: Any) -> Any:
+        if not any(_is_complex(a) for a in args):
+            return real_rule(*args)
+        out = prim(*args)
+        g = get_grad(out)
+        conj_args, conj_out = tuple(_conj(a) for a in args), _conj(out)
+        for arg, vjp in zip(args, vjps):
+            if isinstance(arg, TensorProxy):
+                put_grad(arg, vjp(g, *conj_args, conj_out))
+        return out
+
+    return rule
+
+
+def _sum_to_rank(t: TensorProxy, ndim: int) -> TensorProxy:
+    """``t`` summed over its leading dims down to ``ndim`` dims (the batch dims an operand was broadcast over)."""
+    extra = t.ndim - ndim
+    return ltorch.sum(t, tuple(range(extra))) if extra > 0 else t
+
+
+def _complex_matmul_grad(a: TensorProxy, b: TensorProxy, /) -> TensorProxy:
+    """``prims.matmul`` on complex operands: ``grad_a = g @ b^H``, ``grad_b = a^H @ g``, 1-D operands as matrices."""
+    out = prims.matmul(a, b)
+    g = get_grad(out)
+    a2 = ltorch.unsqueeze(a, 0) if a.ndim == 1 else a
+    b2 = ltorch.unsqueeze(b, -1) if b.ndim == 1 else b
+    g2 = ltorch.unsqueeze(g, -1) if b.ndim == 1 else g
+    g2 = ltorch.unsqueeze(g2, -2) if a.ndim == 1 else g2
+    grad_a = _sum_to_rank(ltorch.matmul(g2, _conj(b2).mT), a2.ndim)
+    grad_b = _sum_to_rank(ltorch.matmul(_conj(a2).mT, g2), b2.ndim)
+    put_grads((a, b), (ltorch.reshape(grad_a, a.shape), ltorch.reshape(grad_b, b.shape)))
+    return out
+
+
+def _complex_linear_grad(a: TensorProxy, w: TensorProxy, bias: None | TensorProxy) -> TensorProxy:
+    """``prims.linear`` on complex operands: ``grad_a = g @ conj(w)``, ``grad_w = g^T @ conj(a)``, bias: ``sum g``."""
+    out = prims.linear(a, w, bias)
+    g = get_grad(out)
+    g2 = ltorch.reshape(g, (-1, w.shape[0]))
+    a2 = ltorch.reshape(a, (-1, w.shape[1]))
+    put_grad(a, ltorch.reshape(ltorch.matmul(g2, _conj(w)), a.shape))
+    put_grad(w, ltorch.matmul(g2.mT, _conj(a2)))
+    if bias is not None:
+        put_grad(bias, ltorch.reshape(ltorch.sum(g2, (0,)), bias.shape))
+    return out
+
+
+def _complex_or_real_rule(complex_rule: Callable, real_rule: Callable) -> Callable:
+    """``complex_rule`` when a tensor operand is complex, else thunder's ``real_rule``."""
+
+    def rule(*args: Any) -> Any:
+        return (complex_rule if any(_is_complex(a) for a in args) else real_rule)(*args)
+
+    return rule
+
+
+def _real_grad(a: TensorProxy) -> TensorProxy:
+    """``z.real``: the real cotangent becomes the real part of the complex gradient."""
+    out = prims.real(a)
+    put_grad(a, prims.convert_element_type(get_grad(out), a.dtype))
+    return out
+
+
+def _imag_grad(a: TensorProxy) -> TensorProxy:
+    """``z.imag``: the real cotangent ``g`` becomes the complex gradient ``1j * g``."""
+    out = prims.imag(a)
+    put_grad(a, prims.convert_element_type(get_grad(out), a.dtype) * 1j)
+    return out
+
+
+def _conjugating_backward(backward: Callable, complex_derivative: Callable | None = None) -> Callable:
+    """A ``backward_impls`` entry (``(*residuals, g) -> g * f'``) made ``g * conj(f')`` for a complex ``g``.
+
+    These entries are linear in ``g`` with real-coefficient derivatives, so ``conj(backward(..., conj(g)))``
+    is torch's vjp; ``complex_derivative(*residuals)`` replaces a formula that is right on reals only. A
+    real ``g`` keeps thunder's rule untouched.
+    """
+
+    def conjugating(*residuals_and_g: Any) -> Any:
+        *residuals, g = residuals_and_g
+        if not _is_complex(g):
+            return backward(*residuals, g)
+        if complex_derivative is not None:
+            return g * _conj(complex_derivative(*residuals))
+        return _conj(backward(*residuals, _conj(g)))
+
+    return conjugating
+
+
+#: elementwise prims with a rule in thunder's grad map -> the vjp of each operand, given (g, *conj args, conj out)
+_HOLOMORPHIC_VJPS: dict[str, tuple[Callable, ...]] = {
+    "MUL": (lambda g, a, b, out: g * b, lambda g, a, b, out: g * a),
+    "DIV": (lambda g, a, b, out: g / b, lambda g, a, b, out: -g * out / b),
+    "EXP": (lambda g, a, out: g * out,),
+    "LOG": (lambda g, a, out: g / a,),
+    "SIN": (lambda g, a, out: g * ltorch.cos(a),),
+    "COS": (lambda g, a, out: -g * ltorch.sin(a),),
+    "TANH": (lambda g, a, out: g * (1 - out * out),),
+    "RSQRT": (lambda g, a, out: -0.5 * g * out * out * out,),
+    "RECIPROCAL": (lambda g, a, out: -g * out * out,),
+    "POW": (lambda g, a, b, out: g * b * a ** (b - 1), lambda g, a, b, out: g * out * _log(a)),
+}
+#: unary prims whose vjp sits in thunder's ``backward_impls`` table and is holomorphic
+_HOLOMORPHIC_BACKWARD_IMPLS = (
+    "ACOS", "ASIN", "ASINH", "ATAN", "ATANH", "COSH", "SINH", "SQRT", "LOG10", "LOG1P", "LOG2", "EXP2",
+    "EXPM1",
+)  # fmt: skip
+#: ... and those whose thunder formula is right on reals only: the complex derivative (torch's, with its branch cuts)
+_COMPLEX_DERIVATIVES = {
+    # sqrt(z*z - 1) != sqrt(z + 1) * sqrt(z - 1) off the real line
+    "ACOSH": lambda z: ltorch.rsqrt(z + 1) * ltorch.rsqrt(z - 1),
+}
+
+
+def fix_complex_gradients() -> None:
+    """Give thunder's autodiff torch's complex convention (see this section's header). Idempotent."""
+    if not THUNDER_COMPLEX_GRADS_UNCONJUGATED:
+        return
+    import thunder.core.transforms as transforms
+
+    grad_map = transforms._grad_fn_map
+    pids = prims.PrimIDs
+    if getattr(grad_map.get(pids.MUL), "_thunder_dtensor_complex", False):
+        return
+    rules: dict[Any, Callable] = {
+        getattr(pids, name): _holomorphic_grad_rule(getattr(prims, name.lower()), vjps, grad_map[getattr(pids, name)])
+        for name, vjps in _HOLOMORPHIC_VJPS.items()
+    }
+    rules[pids.MATMUL] = _complex_or_real_rule(_complex_matmul_grad, grad_map[pids.MATMUL])
+    rules[pids.LINEAR] = _complex_or_real_rule(_complex_linear_grad, grad_map[pids.LINEAR])
+    rules[pids.REAL], rules[pids.IMAG] = _real_grad, _imag_grad
+    for prim_id, rule in rules.items():
+        register_grad(prim_id, rule)
+        grad_map[prim_id]._thunder_dtensor_complex = True
+    for name in (*_HOLOMORPHIC_BACKWARD_IMPLS, *_COMPLEX_DERIVATIVES):
+        prim_id = getattr(pids, name)
+        backward = transforms.backward_impls[prim_id]
+        transforms.backward_impls[prim_id] = _conjugating_backward(backward, _COMPLEX_DERIVATIVES.get(name))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.nn.attention.sdpa_kernel inside thunder programs (thunder 0.2.6 interpreter; used by sdpa_backends.py)
+#
+# Private torch names used here: ``torch.nn.attention._sdpa_kernel`` / ``_sdpa_kernel_variadic`` /
+# ``_backend_from_string`` / ``_cur_sdpa_kernel_backends`` (torch 2.13: what ``sdpa_kernel`` and dynamo's
+# graphs call), ``torch._fused_sdp_choice`` (torch's SDPA kernel selector).
+# ---------------------------------------------------------------------------------------------------------
+def sdpa_backends_enabled_globally(with_priority: bool) -> tuple:
+    """The SDPA backends torch's global flags enable now (in priority order with ``with_priority``)."""
+    import torch.nn.attention as attention
+
+    return tuple(attention._cur_sdpa_kernel_backends(with_priority=with_priority))
+
+
+def fused_sdp_choice(*args: Any, **kwargs: Any) -> int:
+    """The SDPA kernel torch would pick for these (real) tensors under the flags in effect; raises if none can run."""
+    return torch._fused_sdp_choice(*args, **kwargs)
+
+
+def autocast_dtype_while_tracing(device_type: str) -> torch.dtype | None:
+    """The dtype an autocast active in the program being traced casts ops on ``device_type`` to, or None.
+
+    Read from the compile data's autocast stack, which thunder's ``torch.autocast`` handling pushes (the same
+    reading as ``thunder_autocast_dtype`` in the autocast section; kept apart so either section stands alone).
+    """
+    import thunder.transforms.autocast as thunder_autocast
+    from thunder.core.compile_data import get_compile_data
+
+    cd = get_compile_data()
+    if cd is None or cd.autocast_stack.is_empty() or not thunder_autocast.is_autocast_enabled():
+        return None
+    dtype = cd.autocast_stack.get_dtype_for_device_if_enabled(device_type)
+    return None if dtype is None else dtypes.to_torch_dtype(dtypes.to_dtype(dtype))
+
+
+def is_sdpa_kernel_fx_target(target: Any) -> bool:
+    """Whether a dynamo graph's call target is one of the calls dynamo records for an ``sdpa_kernel`` context."""
+    import torch.nn.attention as attention
+
+    return target is attention._sdpa_kernel or target is attention._backend_from_string
+
+
+def install_sdpa_kernel_support(*, context: type, set_backends: Callable, check_sdpa_call: Callable) -> None:
+    """Make thunder's interpreter run ``sdpa_kernel(...)`` (and dynamo's spelling of it) at trace time only.
+
+    thunder 0.2.6 steps into ``sdpa_kernel`` and fails on its ``dict.fromkeys``; and stepping in would set
+    torch's global flags while tracing, with nothing in the trace. Instead:
+
+    * ``sdpa_kernel(backends, set_priority)`` (and dynamo's ``_sdpa_kernel_variadic``) builds ``context``,
+      whose ``__enter__`` / ``__exit__`` run whole (record / restore the choice for the trace being built);
+    * ``_sdpa_kernel(backends, set_priority)``, what dynamo graphs call on entering and leaving the context,
+      runs ``set_backends`` whole; ``_backend_from_string`` (the graphs' spelling of a backend) runs whole;
+    * ``F.scaled_dot_product_attention`` first runs ``check_sdpa_call`` on its arguments, then what it ran
+      before (thunder's symbol or the DTensor dispatcher): install this after the op registrations.
+    """
+    import torch.nn.attention as attention
+    import torch.nn.functional as F
+    from thunder.core import interpreter, jit_ext
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    sdpa = F.scaled_dot_product_attention
+    if getattr(lookasides.get(sdpa), "_checks_sdpa_kernel_choice", False):
+        return
+
+    def variadic(*backends: Any) -> Any:
+        return context(list(backends))
+
+    opaque = {
+        attention.sdpa_kernel: context,
+        attention._sdpa_kernel_variadic: variadic,
+        context.__enter__: context.__enter__,
+        context.__exit__: context.__exit__,
+        attention._sdpa_kernel: set_backends,
+        attention._backend_from_string: attention._backend_from_string,
+    }
+    for fn, impl in opaque.items():
+        lookasides[fn] = jit_ext.interpreter_needs_wrap(impl)
+
+    run_sdpa = lookasides[sdpa]
+    check = jit_ext.interpreter_needs_wrap(check_sdpa_call)
+
+    def checked_sdpa(*args: Any, **kwargs: Any) -> Any:
+        if check(*args, **kwargs) is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
+            return interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+        return run_sdpa(*args, **kwargs)
+
+    checked_sdpa._checks_sdpa_kernel_choice = True  # type: ignore[attr-defined]
+    lookasides[sdpa] = checked_sdpa
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Autocast (thunder 0.2.6 layout; used by autocast.py)
+#
+# thunder 0.2.6 applies ``torch.autocast`` while it traces: every ``Symbol.__call__`` first asks
+# ``thunder.transforms.autocast.maybe_apply_autocast(sym)`` for a replacement, which applies rules keyed by
+# symbol id (linear, matmul, conv, SDPA) while the compile data's autocast stack is active. That stack is
+# pushed for an autocast the jitted function is *called* under (``thunder.jit``'s cache-info step, never
+# popped) and by ``torch.autocast.__enter__`` *inside* it (interpreter lookaside). The traces then run
+# under ``no_autocast``, so every cast must be explicit in the trace. Private torch name used here:
+# ``torch.utils._python_dispatch.TorchDispatchMode`` (to see which casts torch's autocast inserts).
+# ---------------------------------------------------------------------------------------------------------
+def install_autocast_hook(replacement_for: Callable[[Symbol], Callable | None]) -> None:
+    """Let ``replacement_for(sym)`` replace a symbol's call first; thunder's own autocast rules otherwise.
+
+    Rebinds ``thunder.transforms.autocast.maybe_apply_autocast``, which ``Symbol.__call__`` imports at
+    each call. Installed once.
+    """
+    import thunder.transforms.autocast as thunder_autocast
+
+    thunder_hook = thunder_autocast.maybe_apply_autocast
+    if getattr(thunder_hook, "_thunder_dtensor_autocast", False):
+        return
+
+    def maybe_apply_autocast(sym: Symbol) -> Callable | None:
+        replacement = replacement_for(sym)
+        return replacement if replacement is not None else thunder_hook(sym)
+
+    maybe_apply_autocast._thunder_dtensor_autocast = True  # type: ignore[attr-defined]
+    thunder_autocast.maybe_apply_autocast = maybe_apply_autocast
+
+
+def thunder_autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype thunder's autocast applies to ops on ``device_type`` now, or None (none active, or disabled).
+
+    None also inside an autocast rule (thunder's ``disable_autocast``), where the ops a rule calls are not
+    cast again.
+    """
+    import thunder.transforms.autocast as thunder_autocast
+    from thunder.core.compile_data import get_compile_data
+
+    cd = get_compile_data()
+    if cd is None or cd.autocast_stack.is_empty() or not thunder_autocast.is_autocast_enabled():
+        return None
+    dtype = cd.autocast_stack.get_dtype_for_device_if_enabled(device_type)
+    return None if dtype is None else dtypes.to_torch_dtype(dtypes.to_dtype(dtype))
+
+
+def thunder_autocast_disabled() -> contextlib.AbstractContextManager:
+    """thunder's own switch: symbols called meanwhile get no autocast rule (those a rule calls, say)."""
+    import thunder.transforms.autocast as thunder_autocast
+
+    return thunder_autocast.disable_autocast()
+
+
+def interpreting_user_program() -> bool:
+    """Whether thunder's interpreter is tracing the user's program now (not autodiff or a later transform).
+
+    An autocast applies to the ops the program calls; the backward thunder's autodiff builds afterwards
+    follows the forward's dtypes, as eager autograd does, even though the autocast stack stays pushed.
+    """
+    from thunder.core import interpreter
+
+    return interpreter.get_interpretercompilectx_if_available() is not None
+
+
+@contextlib.contextmanager
+def recording_aten_calls() -> Iterator[list[tuple[Any, tuple, dict]]]:
+    """Record ``(aten op, args, kwargs)`` of every op dispatched meanwhile (below autocast: its casts show)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[tuple[Any, tuple, dict]] = []
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            calls.append((func, args, kwargs))
+            return func(*args, **kwargs)
+
+    with _Recorder():
+        yield calls

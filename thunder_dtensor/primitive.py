@@ -187,6 +187,7 @@ def define_dtensor_prim(
     meta: Callable | None = None,
     execute: Callable | None = None,
     differentiable: bool = True,
+    tags: tuple = (),
 ) -> ti.Symbol:
     """Create ``dtensor_<name>_prim`` and register its execution on the dtensor executor.
 
@@ -205,8 +206,8 @@ def define_dtensor_prim(
         return propagate_on_fake_dtensors(prim_name, torch_fn, args, kwargs)
 
     _meta.__name__ = prim_name
-    prim = ti.make_prim(f"thunder_dtensor.{prim_name}", prim_name, meta=_meta)
-    op = dtensor_ex.register_operator(prim_name, like=prim, fn=runtime_fn)
+    prim = ti.make_prim(f"thunder_dtensor.{prim_name}", prim_name, meta=_meta, tags=tags)
+    op = dtensor_ex.register_operator(prim_name, like=prim, fn=runtime_fn, tags=list(tags))
     dtensor_ex.register_implementation(prim, op, checker=_always)
     DTENSOR_PRIMS[prim_name] = prim
     if differentiable:
@@ -214,6 +215,16 @@ def define_dtensor_prim(
     else:  # no gradient flows through it (factories, guards, vjps)
         ti.register_grad(prim, prim)
     return prim
+
+
+def _no_op(*args: Any) -> None:
+    return None
+
+
+#: a backward step that computes nothing and is never removed (see the generic grad rule)
+_undefined_gradients = define_dtensor_prim(
+    "undefined_gradients", _no_op, meta=_no_op, differentiable=False, tags=(ti.OpTags.DONT_DCE,)
+)
 
 
 def _is_differentiable(x: Any) -> bool:
@@ -264,6 +275,9 @@ def _forward_with_leaves(torch_fn: Callable, flat: list, spec: Any, indices: tup
     return leaves, outs
 
 
+#: prim name -> its generic grad rule (eager DTensor's own backward), kept when a dedicated rule replaces it
+GENERIC_GRAD_RULES: dict[str, Callable] = {}
+
 #: names of the generic vjp prims (and of their executor operators), whose gradients a backward may partly need
 GENERIC_VJP_NAMES: set[str] = set()
 
@@ -284,12 +298,17 @@ def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> N
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
         grads = vjp_prim(args, kwargs, cotangents, diff_indices)
+        if all(grad is None for grad in grads):
+            # torch's backward leaves every gradient undefined (a norm with ord=0), yet its output requires
+            # grad: a kept no-op gives thunder a backward, so `backward()` runs and leaves `.grad` None
+            _undefined_gradients(*(c for c in cotangents if c is not None))
         for i, grad in zip(diff_indices, grads):
             if grad is not None:
                 ti.put_grad(flat_inputs[i], grad)
         return out
 
     ti.register_grad(prim, grad_rule)
+    GENERIC_GRAD_RULES[prim.name] = grad_rule
 
 
 def prune_unused_vjp_gradients(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
@@ -324,16 +343,28 @@ def prune_unused_vjp_gradients(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
     return new_trace
 
 
+def _has_complex_tensor(args: tuple, kwargs: dict) -> bool:
+    flat, _ = ti.tree_flatten((args, kwargs))
+    return any(isinstance(x, ti.TensorProxy) and ti.dtypes.is_complex_dtype(x.dtype) for x in flat)
+
+
 def define_vjp(prim: ti.Symbol) -> Callable[[Callable], Callable]:
     """Register the decorated ``vjp(g, out, *args, **kwargs) -> grads`` as ``prim``'s grad rule.
 
     ``grads`` holds one entry per positional argument (None where there is no gradient). The rule is
     written with dtensor prims, so gradients get the placements DTensor's propagation gives them, as in
     eager DTensor's backward. For several outputs, ``g`` is the tuple of their cotangents.
+
+    Dedicated rules are written for real tensors: a call with a complex tensor keeps the generic rule, whose
+    gradients are torch's (conjugate Wirtinger derivatives) by construction.
     """
 
     def register(vjp: Callable) -> Callable:
+        generic = GENERIC_GRAD_RULES.get(prim.name)
+
         def grad_rule(*args: Any, **kwargs: Any) -> Any:
+            if generic is not None and _has_complex_tensor(args, kwargs):
+                return generic(*args, **kwargs)
             out = prim(*args, **kwargs)
             g = ti.tree_map(_cotangent_or_none, out) if isinstance(out, (tuple, list)) else ti.get_grad(out)
             grads = vjp(g, out, *args, **kwargs)

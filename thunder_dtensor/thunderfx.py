@@ -7,6 +7,11 @@ or the mesh this module answers: it runs the node's thunder symbol (our dispatch
 from dynamo's example values. A node DTensor rejects is split out with our error as the reason;
 everything else stays in one thunder graph. Only the forward is tried: every dtensor prim has a grad rule
 (the generic VJP when no dedicated one), so a forward that traces also differentiates.
+
+The calls dynamo records for ``torch.nn.attention.sdpa_kernel(...)`` (``_backend_from_string``,
+``_sdpa_kernel``), with or without DTensors, stay in the thunder graph too: there they record the chosen
+backends at trace time and change nothing that runs (see ``sdpa_backends.py``), instead of splitting the
+graph around the attention.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.proxy import proxy_for_value
+from thunder_dtensor.sdpa_backends import is_sdpa_kernel_node
 
 import torch
 
@@ -73,8 +79,20 @@ def _proxy_inputs(node: torch.fx.Node) -> tuple[tuple, dict]:
     return torch.fx.map_arg(node.args, convert), torch.fx.map_arg(node.kwargs, convert)
 
 
+#: ops thunder runs through its automatic torch fallback (torch's kernel and torch's backward) that thunderfx
+#: would split off for inductor; kept in the thunder graph so a model using them (complex rotary embeddings on
+#: local tensors) stays one thunder program
+_KEPT_TORCH_FALLBACKS = (torch.view_as_complex, torch.view_as_real)
+
+
 def dtensor_node_support(node: torch.fx.Node) -> tuple[bool, str | None] | None:
-    """``(supported, reason)`` for a node with a DTensor or device mesh in it; ``None`` for any other node."""
+    """``(supported, reason)`` for a node with a DTensor or device mesh in it; ``None`` for any other node.
+
+    A node of an ``sdpa_kernel`` block is supported (a trace-time no-op, validated at the attention call), and
+    so is a call of one of ``_KEPT_TORCH_FALLBACKS`` (on plain tensors too).
+    """
+    if is_sdpa_kernel_node(node) or (node.op == "call_function" and node.target in _KEPT_TORCH_FALLBACKS):
+        return True, None
     if node.op not in ("call_function", "call_method") or not _touches_dtensor(node):
         return None
     fn = _thunder_callable(node)

@@ -10,18 +10,18 @@ import copy
 
 from thunder_dtensor.testing import device_type, mesh_1d, mesh_2d, world_size
 from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize
+from thunder_dtensor.testing.training import COMPILERS, assert_grads_match, thunder_program
+from thunder_dtensor.testing.training import PARITY_TOL as TOL
 
 import pytest
 import thunder
 import torch
 import torch.distributed as dist
-from thunder.dynamo import thunderfx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 STEPS = 5
 LR = 1e-2
-TOL = {"rtol": 1e-4, "atol": 2e-5}
 
 
 def _batch(step: int, batch: int, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,52 +31,19 @@ def _batch(step: int, batch: int, cfg: GPTConfig) -> tuple[torch.Tensor, torch.T
     return idx.to(device_type()), tgt.to(device_type())
 
 
-def _full(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _reference(cfg: GPTConfig) -> GPT:
     torch.manual_seed(0)  # the same initial weights on every rank
     return GPT(cfg).to(device_type())
-
-
-def _assert_grads_match(model: GPT, ref: GPT, what: str) -> None:
-    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        if r.grad is None:
-            assert p.grad is None, f"{what}: {name} has a gradient, the reference none"
-            continue
-        assert p.grad is not None, f"{what}: {name} has no gradient"
-        torch.testing.assert_close(_full(p.grad), r.grad, **TOL, msg=lambda m, n=name: f"{what}: {n}: {m}")
-
-
-COMPILERS = {"jit": thunder.jit, "thunderfx": thunderfx}
-
-
-def _thunder_program(compiled, compiler: str):
-    """The thunder-compiled program behind ``compiled``; for thunderfx, after checking nothing was split off.
-
-    Under thunderfx the model is one dynamo graph (no graph breaks) handed to thunder whole: no split
-    reasons, no inductor piece.
-    """
-    if compiler == "jit":
-        return compiled
-    infos = compiled._backend.subgraph_infos
-    assert len(infos) == 1, f"{len(infos)} dynamo graphs: the model should compile without graph breaks"
-    (info,) = infos
-    assert info.split_reasons == [], [r.info for r in info.split_reasons]
-    pieces = [name for name, _ in info.split_graph_module.named_children()]
-    assert pieces == ["thunder_0"], pieces
-    (program,) = info.thunder_compiled_fns
-    return program
 
 
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_training_matches_single_process(sequence_parallel, compiler):
-    if compiler != "jit" and world_size() == 4:
-        pytest.skip("thunderfx at 4 ranks: the 2x2 mesh test covers it (suite time)")
-    cfg = GPTConfig()
+    if world_size() == 4 and (compiler != "jit" or not sequence_parallel):
+        pytest.skip("at 4 ranks sequence parallel under thunder.jit only; the 2x2 mesh test runs thunderfx")
+    # at 4 ranks one layer: what 4 ranks add (4-way shards of every weight) does not depend on the depth
+    cfg = GPTConfig() if world_size() == 2 else GPTConfig(layers=1)
     ref = _reference(cfg)
     model = parallelize(copy.deepcopy(ref), mesh_1d(), sequence_parallel=sequence_parallel)
     jitted = COMPILERS[compiler](model)
@@ -88,12 +55,12 @@ def test_training_matches_single_process(sequence_parallel, compiler):
         ref_loss = loss_fn(ref(idx), tgt)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss, **TOL)
-        _assert_grads_match(model, ref, f"step {step}")
+        assert_grads_match(model, ref, f"step {step}")
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
     # steps 2 to 5 reuse the program compiled for step 1
-    program = _thunder_program(jitted, compiler)
+    program = thunder_program(jitted, compiler)
     assert thunder.cache_misses(program) == 1
     assert thunder.cache_hits(program) == STEPS - 1
 
@@ -102,7 +69,7 @@ def test_training_matches_single_process(sequence_parallel, compiler):
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_2d_mesh_data_parallel_by_tensor_parallel(compiler):
     """dp x tp = 2 x 2: each dp rank trains on its half of the batch; gradients are averaged over dp."""
-    cfg = GPTConfig()
+    cfg = GPTConfig(layers=1)
     mesh = mesh_2d()
     dp_group, dp_rank, dp_size = mesh.get_group("dp"), mesh.get_local_rank("dp"), mesh.size(0)
     ref = _reference(cfg)
@@ -123,11 +90,11 @@ def test_2d_mesh_data_parallel_by_tensor_parallel(compiler):
         ref_loss = loss_fn(ref(idx), tgt)
         ref_loss.backward()
         torch.testing.assert_close(global_loss / dp_size, ref_loss, **TOL)
-        _assert_grads_match(model, ref, f"step {step}")
+        assert_grads_match(model, ref, f"step {step}")
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    program = _thunder_program(jitted, compiler)
+    program = thunder_program(jitted, compiler)
     assert thunder.cache_misses(program) == 1 and thunder.cache_hits(program) == STEPS - 1
 
 
@@ -160,6 +127,8 @@ EXPECTED_COMMS = {
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_collectives_no_more_than_eager(sequence_parallel):
+    if world_size() == 4 and not sequence_parallel:
+        pytest.skip("at 4 ranks sequence parallel only; tensor parallelism is counted at 2 ranks (suite time)")
     # eager DTensor has no fused-SDPA strategy on CPU: both run attention as matmul + softmax here.
     # (thunder.jit only: under CommDebugMode, a dispatch mode, dynamo runs the frame eagerly instead.)
     cfg = GPTConfig(layers=1, unfused_attention=True)
@@ -180,8 +149,6 @@ FROZEN_PATTERNS = {
     "only_norms": lambda name: "ln" in name,
     "attention_frozen": lambda name: ".attn." not in name,
     "only_output_head": lambda name: name.startswith("head") or name.startswith("tok_emb"),  # tied weights
-    "all_but_embeddings": lambda name: not name.startswith(("tok_emb", "pos_emb", "head")),
-    "only_biases": lambda name: name.endswith("bias"),
     "single_layer": lambda name: name.startswith("blocks.0.mlp.fc1."),
 }
 
@@ -204,7 +171,7 @@ def test_frozen_parameter_patterns(pattern):
     ref_loss = loss_fn(ref(idx), tgt)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
-    _assert_grads_match(model, ref, pattern)
+    assert_grads_match(model, ref, pattern)
     # one more step, counted, against eager DTensor on the same frozen model
     for m in (model, eager):
         m.zero_grad()

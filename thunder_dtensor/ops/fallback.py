@@ -11,6 +11,7 @@ Metadata queries (``x.dim()``, ``x.numel()``) keep thunder's own logic, which on
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,8 @@ def _fallback_name(torch_fn: Callable) -> str:
     """
     if isinstance(torch_fn, str):  # thunder's map also holds a few ops by name
         return torch_fn.replace(".", "_")
+    if hasattr(torch_fn, "prim_name"):
+        return torch_fn.prim_name
     name = getattr(torch_fn, "__name__", "op")
     prefix = next((p for namespace, p in _NAMESPACES if getattr(namespace, name, None) is torch_fn), None)
     if prefix is None:
@@ -82,7 +85,20 @@ def _torch_callable_for_method(name: str) -> Callable | None:
     # the Tensor method itself: its signature can differ from torch.<name> (x.reshape(2, 3), x.view(-1))
     if name == "getitem":
         return operator.getitem
-    return getattr(torch.Tensor, name, None)
+    attribute = getattr(torch.Tensor, name, None)
+    if attribute is None or callable(attribute):
+        return attribute
+    return _property_getter(name)  # x.mT, x.real: a property, read as a one-argument function
+
+
+@functools.cache
+def _property_getter(name: str) -> Callable:
+    def get(tensor: torch.Tensor) -> Any:
+        return getattr(tensor, name)
+
+    get.__name__ = get.__qualname__ = name
+    get.prim_name = f"Tensor_{name}"  # type: ignore[attr-defined]
+    return get
 
 
 def _is_ours(fn: Any) -> bool:
@@ -91,6 +107,12 @@ def _is_ours(fn: Any) -> bool:
 
 #: torch functions thunder has no symbol for that DTensor runs: prims for DTensor calls, plain calls fail as before
 _UNMAPPED_TORCH_FUNCTIONS = (torch.fill,)
+
+
+#: torch functions thunder does not map that do what a mapped one does (same signature): they take its symbol
+#: for plain tensors (so thunderfx, which sees dynamo's ``torch.rms_norm`` for ``F.rms_norm``, keeps them) and
+#: their own fallback prim for DTensors
+_SAME_AS_MAPPED_FUNCTIONS = {torch.rms_norm: torch.nn.functional.rms_norm}
 
 
 def _not_supported_by_thunder(torch_fn: Callable) -> Callable:
@@ -104,6 +126,10 @@ def _not_supported_by_thunder(torch_fn: Callable) -> Callable:
 def register_fallbacks() -> int:
     """Wrap every unclaimed entry of thunder's tables; returns how many were wrapped."""
     count = 0
+    mapped = ti.torch_to_thunder_map()
+    for torch_fn, twin in _SAME_AS_MAPPED_FUNCTIONS.items():
+        if torch_fn not in mapped and twin in mapped:
+            ti.register_torch_function(torch_fn, mapped[twin])
     for torch_fn in _UNMAPPED_TORCH_FUNCTIONS:
         if torch_fn not in DISPATCH_TABLE and torch_fn not in ti.torch_to_thunder_map():
             dispatcher = DTensorDispatcher(_not_supported_by_thunder(torch_fn), _FallbackSymbol(torch_fn))

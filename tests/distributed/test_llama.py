@@ -1,0 +1,69 @@
+"""torchtitan's Llama 3 recipe (apply_tp, then thunder.jit or thunderfx) trains like the one-process model.
+
+The model (thunder_dtensor.testing.llama) has torchtitan's features: complex rotary embeddings, grouped-query
+attention, nn.RMSNorm, SwiGLU, sdpa_kernel; apply_tp is torchtitan's plan, with and without loss_parallel.
+Every step's loss and every parameter's gradient are compared with the unsharded model trained in one
+process, over 3 AdamW steps.
+"""
+
+import copy
+from contextlib import nullcontext
+
+from thunder_dtensor.testing import mesh_1d, world_size
+from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_tp, llama_loss
+from thunder_dtensor.testing.training import COMPILERS, PARITY_TOL, assert_grads_match, thunder_program
+
+import pytest
+import thunder
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+STEPS = 3
+VARIANTS = {
+    "replicated_logits": {"loss_parallel": False, "frozen": ()},
+    "loss_parallel_frozen_attention": {"loss_parallel": True, "frozen": (".attention.",)},
+}
+
+
+def _batch(step: int, cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return tuple(torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g) for _ in range(2))
+
+
+@pytest.mark.world_size(2, 4)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_llama_with_torchtitan_tp_plan_trains_like_single_process(compiler, variant):
+    if world_size() == 4 and (compiler, variant) not in {
+        ("jit", "loss_parallel_frozen_attention"),
+        ("thunderfx", "replicated_logits"),
+    }:
+        pytest.skip("at 4 ranks one variant per front end (suite time)")
+    options = VARIANTS[variant]
+    cfg = LlamaConfig() if world_size() == 2 else LlamaConfig(layers=1)
+    torch.manual_seed(0)
+    ref = Llama(cfg)
+    for name, p in ref.named_parameters():  # the copy below keeps the flags
+        p.requires_grad_(not any(part in name for part in options["frozen"]))
+    model = apply_tp(copy.deepcopy(ref), mesh_1d(), loss_parallel=options["loss_parallel"])
+    compiled = COMPILERS[compiler](model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(STEPS):
+        tokens, labels = _batch(step, cfg)
+        with loss_parallel() if options["loss_parallel"] else nullcontext():
+            logits = compiled(tokens)
+            assert isinstance(logits, DTensor) == options["loss_parallel"]
+            loss = llama_loss(logits, labels)
+            loss.backward()
+        ref_loss = llama_loss(ref(tokens), labels)
+        ref_loss.backward()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        torch.testing.assert_close(loss, ref_loss, **PARITY_TOL)
+        assert_grads_match(model, ref, f"{compiler} {variant} step {step}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    program = thunder_program(compiled, compiler)
+    assert thunder.cache_misses(program) == 1 and thunder.cache_hits(program) == STEPS - 1

@@ -73,3 +73,6 @@ if DISTRIBUTED_AVAILABLE:
 from thunder_dtensor.sdpa_backends import install_sdpa_kernel_support  # noqa: E402  (sdpa_kernel(...) in jitted code)
 
 install_sdpa_kernel_support()  # last: it wraps the SDPA lookaside the op registrations above installed
+
+if DISTRIBUTED_AVAILABLE:  # FSDP2 (fully_shard) under thunder.jit: its hooks stay out of the interpreter
+    __import__("thunder_dtensor.fsdp", fromlist=["install"]).install()

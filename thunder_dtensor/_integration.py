@@ -31,13 +31,15 @@ What is patched, and why:
 * thunderfx's splitter asks this package about nodes with DTensors or a device mesh, skips thunder's
   translation to its experimental prims, passes the mesh through its example-input metadata, and gives
   thunder.jit graph modules already compiled to Python (``install_thunderfx_support``).
+* thunder's autocast hook (``maybe_apply_autocast``, asked by every symbol call) first asks this package,
+  so DTensor ops get autocast's casts as dtensor prims in the trace (``install_autocast_hook``).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
 ``torch.distributed.tensor._dtensor_spec.DTensorSpec`` / ``TensorMeta`` (and ``DTensorSpec.shard_order``),
 ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, ``torch._subclasses.fake_tensor``
 (``FakeTensorMode``, its exceptions and logger), ``torch._library.fake_class_registry.FakeScriptObject``,
-``torch.utils._pytree``, ``torch._C._is_alias_of``.
+``torch.utils._pytree``, ``torch._C._is_alias_of``, ``torch.utils._python_dispatch.TorchDispatchMode`` (autocast).
 """
 
 from __future__ import annotations
@@ -1193,3 +1195,170 @@ def recording_aten_calls() -> Iterator[list[tuple[Any, tuple, dict]]]:
 
     with _Recorder():
         yield calls
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP2 (``fully_shard``) under thunder.jit (torch 2.13 / thunder 0.2.6 layout; used by fsdp.py)
+#
+# thunder's interpreter must not step into FSDP2's module hooks: they key dicts by parameters (which are
+# proxies while tracing: ``TypeError: unhashable type: 'DTensorProxy'`` in ``FSDPState._init_fqns``), swap
+# parameters on modules, and register autograd functions and stream waits. Instead the hooks become
+# lookasides, and a module attribute read that yields an FSDP-managed (sharded) parameter is handed to
+# fsdp.py, which puts the unshard in the trace. Private torch names used here:
+# ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState`` (``_pre_forward``, ``_post_forward``,
+# ``_lazy_init``, ``_is_root``, ``_state_ctx.all_states``, ``_fsdp_param_groups``), ``FSDPParamGroup.fsdp_params``,
+# ``FSDPParam`` (``sharded_param``, ``_unsharded_dtensor_spec``, ``fsdp_placement``, ``mesh_info``,
+# ``param_dtype``, ``reduce_dtype``), ``_fsdp_common.FSDPMeshInfo`` / ``HSDPMeshInfo``, and
+# ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``.
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FSDPParamLayout:
+    """How FSDP2 shards one parameter, as far as the unshard / reduce-scatter in a thunder program needs it.
+
+    ``unsharded_spec`` is the spec of the DTensor FSDP2 computes with (``FSDPParam.unsharded_param``: the
+    tensor-parallel spec), or None for a plain (non-DTensor) parameter. ``dp_mesh_dim`` is the sharded
+    parameter's mesh dim FSDP2 shards over; ``shard_dim`` the tensor dim it shards; ``supported`` is False
+    (with ``why``) for the layouts fsdp.py does not handle (HSDP, mixed precision, ``Shard(d != 0)``).
+    """
+
+    unsharded_spec: Any
+    dp_mesh_dim: int
+    shard_dim: int
+    supported: bool
+    why: str = ""
+
+
+def fsdp_state_hook_functions() -> tuple[Callable, Callable]:
+    """The functions FSDP2 registers as forward pre-/post-hooks (bound to each ``FSDPState``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return FSDPState._pre_forward, FSDPState._post_forward
+
+
+def fsdp_lazy_init(state: Any) -> None:
+    """Run FSDP2's lazy init (what its first pre-forward does: root detection, shared state) if not done."""
+    if state._is_root is None:
+        state._lazy_init()
+
+
+def fsdp_managed_params(state: Any) -> Iterator[tuple[torch.nn.Parameter, FSDPParamLayout]]:
+    """Every parameter the FSDP2 states sharing ``state``'s context manage (the whole tree once lazily inited)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    states = state._state_ctx.all_states or [state]
+    for s in states:
+        for group in s._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                spec = fsdp_param._unsharded_dtensor_spec
+                mesh_info = fsdp_param.mesh_info
+                why = ""
+                if isinstance(mesh_info, HSDPMeshInfo) or not isinstance(mesh_info, FSDPMeshInfo):
+                    why = "only FSDP (fully_shard on a 1-D data-parallel mesh) is supported, not HSDP / DDP"
+                elif fsdp_param.param_dtype is not None or fsdp_param.reduce_dtype is not None:
+                    why = "FSDP2 mixed precision (MixedPrecisionPolicy param_dtype / reduce_dtype) is not supported"
+                elif fsdp_param.fsdp_placement.dim != 0:
+                    why = f"FSDP2 sharding on dim {fsdp_param.fsdp_placement.dim} is not supported (only dim 0)"
+                elif spec is None:
+                    why = "FSDP2 over plain (non-DTensor) parameters is not supported, only over tensor-parallel ones"
+                layout = FSDPParamLayout(spec, 0, fsdp_param.fsdp_placement.dim, not why, why)
+                yield fsdp_param.sharded_param, layout
+
+
+def local_shape_on(shape: tuple, mesh: Any, placements: tuple) -> tuple[int, ...]:
+    """This rank's local shape of a DTensor of global ``shape`` on ``mesh`` with ``placements``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(int(s) for s in compute_local_shape_and_global_offset(shape, mesh, placements)[0])
+
+
+def install_fsdp_support(*, before_forward: Callable[[Any], None], parameter_read: Callable[[Any, Any], Any]) -> None:
+    """Keep thunder's interpreter out of FSDP2's forward hooks; let ``parameter_read`` replace parameter reads.
+
+    * FSDP2's forward pre-hook runs ``before_forward(state)`` whole (outside the interpreter) and changes
+      nothing in the program; its forward post-hook does nothing (resharding, prefetching, stream waits and
+      the pre-backward hook registration have no meaning inside a thunder program).
+    * A module attribute read (``self.weight``) whose value is a tensor read from the module gives
+      ``parameter_read(real_value, proxy)`` the chance to return another proxy (None: the read as it is).
+    Installed once.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    previous_getattr = lookasides[getattr]
+    if getattr(previous_getattr, "_thunder_dtensor_fsdp", False):
+        return
+    pre_forward, post_forward = fsdp_state_hook_functions()
+
+    def pre_forward_lookaside(state: Any, module: Any, args: Any, kwargs: Any) -> None:
+        before_forward(state)
+        return None  # the hook leaves the module's inputs as they are
+
+    def post_forward_lookaside(state: Any, module: Any, args: Any, output: Any) -> None:
+        return None  # the hook leaves the module's output as it is
+
+    lookasides[pre_forward] = jit_ext.interpreter_needs_wrap(pre_forward_lookaside)
+    lookasides[post_forward] = jit_ext.interpreter_needs_wrap(post_forward_lookaside)
+
+    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
+        value = previous_getattr(obj, name, *maybe_default)
+        if value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED or not isinstance(
+            interpreter.unwrap(obj), torch.nn.Module
+        ):
+            return value
+        proxy_value = interpreter.unwrap(value)
+        real = getattr(value, "original_value", None)
+        if not isinstance(proxy_value, TensorProxy) or not isinstance(real, torch.Tensor):
+            return value
+
+        try:
+            replacement = parameter_read(real, proxy_value)
+        except Exception as e:  # raised inside the program being traced, as an op's error would be
+            return interpreter.do_raise(e)
+        if replacement is None:
+            return value
+        record = interpreter.ProvenanceRecord(
+            interpreter.PseudoInst.OPAQUE, inputs=[interpreter.wrap_const(parameter_read).provenance, value.provenance]
+        )
+        return interpreter.wrap(replacement, provenance=record)
+
+    getattr_lookaside._thunder_dtensor_fsdp = True  # type: ignore[attr-defined]
+    getattr_lookaside._reads_root_module_state_from_user_module = getattr(  # type: ignore[attr-defined]
+        previous_getattr, "_reads_root_module_state_from_user_module", False
+    )
+    lookasides[getattr] = getattr_lookaside
+
+
+def scope_ambient_autocast_to_each_call() -> None:
+    """An autocast a jitted function was called under applies to that call only.
+
+    thunder 0.2.6 pushes the caller's autocast onto the compile data's autocast stack at each call made under
+    it and never pops it, so a later call without autocast retraces (the cache key differs) but still casts,
+    on plain tensors and DTensors alike. Every push on that stack within a call is balanced except this one, so
+    the stack is emptied as each call starts: ``thunder._with_cache_info_ctx``, which wraps each jitted
+    function's ``get_computation_and_inputs`` when ``thunder.jit`` builds it, reaches the compile data through
+    that function's ``weakref_cd`` closure cell.
+    """
+    if getattr(thunder._with_cache_info_ctx, "_thunder_dtensor_scoped", False):
+        return
+    if not (LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")):
+        return  # another layout: check the bug there before gating this in
+    with_cache_info_ctx = thunder._with_cache_info_ctx
+
+    def scoped(fn: Callable) -> Callable:
+        wrapped = with_cache_info_ctx(fn)
+        names = fn.__code__.co_freevars
+        if "weakref_cd" not in names:
+            return wrapped
+        weakref_cd = fn.__closure__[names.index("weakref_cd")].cell_contents
+
+        @functools.wraps(wrapped)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            cd = weakref_cd()
+            if cd is not None:
+                cd.autocast_stack.stack.clear()
+            return wrapped(*args, **kwargs)
+
+        return call
+
+    scoped._thunder_dtensor_scoped = True  # type: ignore[attr-defined]
+    thunder._with_cache_info_ctx = scoped

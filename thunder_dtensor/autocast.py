@@ -37,7 +37,7 @@ from thunder_dtensor.dispatch import DISPATCH_TABLE
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.ops.fallback import FALLBACK_PRIMS
 from thunder_dtensor.ops.pointwise import dtensor_convert_element_type_prim
-from thunder_dtensor.primitive import DTENSOR_PRIMS, define_dtensor_prim, to_torch_value
+from thunder_dtensor.primitive import define_dtensor_prim, to_torch_value
 from thunder_dtensor.proxy import DTensorProxy
 
 import torch
@@ -192,13 +192,18 @@ def _run_under_autocast(torch_fn: Callable, device_type: str, dtype: torch.dtype
         return torch_fn(*args, **kwargs)
 
 
+#: prim name -> the prim that runs a symbol's torch function under an autocast (one per symbol, device, dtype)
+_REGION_PRIMS: dict[str, ti.Symbol] = {}
+
+
 def _region_prim(sym: ti.Symbol, torch_fn: Callable, device_type: str, dtype: torch.dtype) -> ti.Symbol:
-    """The prim that runs ``torch_fn`` under ``torch.autocast`` (made on first use, named after the op)."""
+    """The prim that runs ``torch_fn`` under ``torch.autocast`` (made on first use, named after the symbol)."""
     op = sym.name.removeprefix("dtensor_").removesuffix("_prim")
     name = f"autocast_{op}_{device_type}_{str(dtype).removeprefix('torch.')}"
-    prim = DTENSOR_PRIMS.get(f"dtensor_{name}_prim")
+    prim = _REGION_PRIMS.get(name)
     if prim is None:
-        prim = define_dtensor_prim(name, functools.partial(_run_under_autocast, torch_fn, device_type, dtype))
+        run = functools.partial(_run_under_autocast, torch_fn, device_type, dtype)
+        prim = _REGION_PRIMS[name] = define_dtensor_prim(name, run)
     return prim
 
 
@@ -261,5 +266,6 @@ def replacement_for(sym: ti.Symbol) -> Callable | None:
 
 
 def install() -> None:
-    """Route thunder's autocast hook through :func:`replacement_for`."""
+    """Route thunder's autocast hook through :func:`replacement_for`; scope a caller's autocast to its call."""
     ti.install_autocast_hook(replacement_for)
+    ti.scope_ambient_autocast_to_each_call()

@@ -41,7 +41,8 @@ def test_llama_with_torchtitan_tp_plan_trains_like_single_process(compiler, vari
     }:
         pytest.skip("at 4 ranks one variant per front end (suite time)")
     options = VARIANTS[variant]
-    cfg = LlamaConfig() if world_size() == 2 else LlamaConfig(layers=1)
+    # one block: a second one traces the same ops again (examples/torchtitan_llama.py trains two, torchtitan's)
+    cfg = LlamaConfig(layers=1)
     torch.manual_seed(0)
     ref = Llama(cfg)
     for name, p in ref.named_parameters():  # the copy below keeps the flags
@@ -67,3 +68,33 @@ def test_llama_with_torchtitan_tp_plan_trains_like_single_process(compiler, vari
             o.zero_grad()
     program = thunder_program(compiled, compiler)
     assert thunder.cache_misses(program) == 1 and thunder.cache_hits(program) == STEPS - 1
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_llama_trains_under_autocast_like_eager_dtensor(compiler):
+    """bf16 autocast around the step: losses, logits' dtype and every gradient as eager DTensor computes them."""
+    cfg = LlamaConfig(layers=1)
+    torch.manual_seed(0)
+    ref = Llama(cfg)
+    eager = apply_tp(copy.deepcopy(ref), mesh_1d(), loss_parallel=False)
+    model = apply_tp(copy.deepcopy(ref), mesh_1d(), loss_parallel=False)
+    compiled = COMPILERS[compiler](model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+    for step in range(STEPS):
+        tokens, labels = _batch(step, cfg)
+        losses = []
+        for fn in (compiled, eager):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = fn(tokens)
+                assert logits.dtype == torch.bfloat16
+                loss = llama_loss(logits, labels)
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[0], losses[1], rtol=2e-2, atol=2e-2)
+        assert_grads_match(model, eager, f"autocast step {step}", rtol=2e-2, atol=2e-2)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    program = thunder_program(compiled, compiler)
+    assert thunder.cache_misses(program) == 1

@@ -23,14 +23,15 @@ def full_value(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def assert_grads_match(model: nn.Module, ref: nn.Module, what: str, **tol: float) -> None:
-    """Every parameter's gradient (full value) equals the reference's; None exactly where the reference's is."""
+    """Every parameter's gradient equals the reference's (full values; DTensor or not); None exactly where its is."""
     tol = tol or PARITY_TOL
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         if r.grad is None:
             assert p.grad is None, f"{what}: {name} has a gradient, the reference none"
             continue
         assert p.grad is not None, f"{what}: {name} has no gradient"
-        torch.testing.assert_close(full_value(p.grad), r.grad, **tol, msg=lambda m, n=name: f"{what}: {n}: {m}")
+        expected = full_value(r.grad)
+        torch.testing.assert_close(full_value(p.grad), expected, **tol, msg=lambda m, n=name: f"{what}: {n}: {m}")
 
 
 def thunder_program(compiled: Any, compiler: str) -> Any:

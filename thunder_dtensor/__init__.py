@@ -74,5 +74,7 @@ from thunder_dtensor.sdpa_backends import install_sdpa_kernel_support  # noqa: E
 
 install_sdpa_kernel_support()  # last: it wraps the SDPA lookaside the op registrations above installed
 
-if DISTRIBUTED_AVAILABLE:  # FSDP2 (fully_shard) under thunder.jit: its hooks stay out of the interpreter
-    __import__("thunder_dtensor.fsdp", fromlist=["install"]).install()
+if DISTRIBUTED_AVAILABLE:
+    from thunder_dtensor import fsdp
+
+    fsdp.install()  # FSDP2 (fully_shard) under thunder.jit: its hooks stay out of the interpreter

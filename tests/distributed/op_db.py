@@ -205,6 +205,9 @@ OP_DB: list[OpEntry] = [
     OpEntry("log_softmax", lambda x: F.log_softmax(x, dim=1), [(6, 8)]),
     OpEntry("layer_norm", lambda x, w, b: F.layer_norm(x, (8,), w, b), [(2, 6, 8), (8,), (8,)]),
     OpEntry("rms_norm", lambda x, w: F.rms_norm(x, (8,), w), [(2, 6, 8), (8,)]),
+    # what dynamo records for F.rms_norm / nn.RMSNorm
+    OpEntry("torch_rms_norm", lambda x, w: torch.rms_norm(x, (8,), w, 1e-5), [(2, 6, 8), (8,)]),
+    OpEntry("view_as_complex_real", lambda x: torch.view_as_real(torch.view_as_complex(x) * 2j), [(2, 6, 8, 2)]),
     OpEntry(
         "embedding",
         lambda idx, w: F.embedding(idx, w),

@@ -16,8 +16,8 @@ from thunder_dtensor.testing.training import COMPILERS, PARITY_TOL, assert_grads
 import pytest
 import thunder
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import SequenceParallel, loss_parallel, parallelize_module
 
 STEPS = 3
 VARIANTS = {
@@ -98,3 +98,24 @@ def test_llama_trains_under_autocast_like_eager_dtensor(compiler):
             o.zero_grad()
     program = thunder_program(compiled, compiler)
     assert thunder.cache_misses(program) == 1
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_sequence_parallel_rms_norm_like_eager(compiler):
+    """nn.RMSNorm under SequenceParallel (torch.rms_norm in dynamo's graph): eager's placements and gradients."""
+    torch.manual_seed(0)
+    norms = [torch.nn.RMSNorm(8, eps=1e-5) for _ in range(2)]
+    for norm in norms:
+        torch.nn.init.constant_(norm.weight, 1.5)
+        parallelize_module(norm, mesh_1d(), SequenceParallel())
+    compiled = COMPILERS[compiler](norms[0])
+    x = torch.randn(2, 4, 8)  # each rank's sequence shard
+    outs = [fn(x.clone().requires_grad_()) for fn in (compiled, norms[1])]
+    assert outs[0].placements == outs[1].placements == (Shard(1),)
+    torch.testing.assert_close(outs[0].full_tensor(), outs[1].full_tensor())
+    for out in outs:
+        (out.full_tensor() ** 2).sum().backward()
+    assert norms[0].weight.grad.placements == norms[1].weight.grad.placements
+    assert_grads_match(norms[0], norms[1], compiler)
+    thunder_program(compiled, compiler)

@@ -36,6 +36,7 @@ What is patched, and why:
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
+``torch.distributed.tensor._redistribute._gen_transform_infos`` (its cache),
 ``torch.distributed.tensor._dtensor_spec.DTensorSpec`` / ``TensorMeta`` (and ``DTensorSpec.shard_order``),
 ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, ``torch._subclasses.fake_tensor``
 (``FakeTensorMode``, its exceptions and logger), ``torch._library.fake_class_registry.FakeScriptObject``,
@@ -345,8 +346,15 @@ def local_offset(dtensor: Any) -> tuple[int, ...]:
 
 
 def clear_sharding_propagation_cache() -> None:
-    """Drop DTensor's cached sharding decisions (some carry state, e.g. eager's MaskPartial mask buffers)."""
+    """Drop DTensor's cached sharding and redistribution decisions.
+
+    Some carry state: the placements of eager's vocab-parallel embedding (``_MaskPartial``) hold a mask
+    buffer, which a fake run (dynamo's) fills with a fake tensor of its fake mode.
+    """
+    from torch.distributed.tensor import _redistribute
+
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def is_fake(x: Any) -> bool:
@@ -642,6 +650,7 @@ def install_thunderfx_support(dtensor_node_support: Callable) -> None:
     * Example-input metadata (kept for thunderfx's reports) passes the device mesh through as it is.
     * Each graph module is compiled to Python before ``thunder.jit`` sees it: fx's lazy code generation,
       run inside thunder's interpreter, fails on a mesh argument.
+    * DTensor's sharding-propagation cache is cleared once a graph is split: see ``splitter``.
     """
     import thunder.dynamo.compiler as fx_compiler
     import thunder.dynamo.splitter as fx_splitter
@@ -672,7 +681,12 @@ def install_thunderfx_support(dtensor_node_support: Callable) -> None:
             fx_utils.recompile_graph(graph_module)
             return thunder_jit(graph_module, **options)
 
-        return thunder_splitter(gm, jit_compiled_graph, *args, **kwargs)
+        try:
+            return thunder_splitter(gm, jit_compiled_graph, *args, **kwargs)
+        finally:
+            # dynamo's fake run of the graph cached sharding decisions whose placements hold fake tensors of its
+            # fake mode (the vocab-parallel embedding's mask): a later compile or eager call would reuse them
+            clear_sharding_propagation_cache()
 
     fx_utils.is_node_supported_by_thunder = fx_splitter.is_node_supported_by_thunder = is_node_supported_by_thunder
     fx_utils.input_to_example_input_meta = input_to_example_input_meta

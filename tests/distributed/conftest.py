@@ -31,6 +31,11 @@ def pytest_collection_modifyitems(config, items):
         sizes = marker.args if marker else (2,)
         if ws not in sizes and not (any_size and marker is None):
             item.add_marker(pytest.mark.skip(reason=f"runs at world size {sizes}, this run has {ws}"))
+    # Known, not ours to fix here: after dynamo compiles an FSDP2 model with a vocab-parallel embedding,
+    # a later dynamo compile of another vocab-parallel embedding on a 2x2 mesh fails in dynamo's own fake run
+    # ("Mixing fake modes"), also after torch._dynamo.reset() and clearing DTensor's caches. The FSDP2 tests
+    # therefore run last.
+    items.sort(key=lambda item: "test_fsdp_tp.py" in str(item.path))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -67,3 +72,15 @@ def pytest_terminal_summary(terminalreporter):
     if path:
         written = write_comm_report(path)
         terminalreporter.write_line(f"{len(COMM_COMPARISONS)} collective comparisons written to {written}")
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    """Each test compiles from scratch: dynamo's recompilation counts and caches, DTensor's sharding cache."""
+    from thunder_dtensor._integration import clear_sharding_propagation_cache
+
+    import torch
+
+    torch._dynamo.reset()
+    clear_sharding_propagation_cache()
+    yield

@@ -32,7 +32,14 @@ What is patched, and why:
   translation to its experimental prims, passes the mesh through its example-input metadata, and gives
   thunder.jit graph modules already compiled to Python (``install_thunderfx_support``).
 * thunder's autocast hook (``maybe_apply_autocast``, asked by every symbol call) first asks this package,
-  so DTensor ops get autocast's casts as dtensor prims in the trace (``install_autocast_hook``).
+  so DTensor ops get autocast's casts as dtensor prims in the trace (``install_autocast_hook``); the autocast
+  a jitted function is called under applies to that call only (``scope_ambient_autocast_to_each_call``).
+* thunder 0.2.6's grad rules forget the conjugate for complex tensors; they are re-registered with it
+  (``fix_complex_gradients``).
+* ``torch.nn.attention.sdpa_kernel`` runs as a trace-time no-op with a feasibility check
+  (``install_sdpa_kernel_support``).
+* FSDP2's forward hooks become lookasides and managed parameter reads become unshard prims
+  (``install_fsdp_support``).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),

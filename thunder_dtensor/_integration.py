@@ -1065,22 +1065,6 @@ def fused_sdp_choice(*args: Any, **kwargs: Any) -> int:
     return torch._fused_sdp_choice(*args, **kwargs)
 
 
-def autocast_dtype_while_tracing(device_type: str) -> torch.dtype | None:
-    """The dtype an autocast active in the program being traced casts ops on ``device_type`` to, or None.
-
-    Read from the compile data's autocast stack, which thunder's ``torch.autocast`` handling pushes (the same
-    reading as ``thunder_autocast_dtype`` in the autocast section; kept apart so either section stands alone).
-    """
-    import thunder.transforms.autocast as thunder_autocast
-    from thunder.core.compile_data import get_compile_data
-
-    cd = get_compile_data()
-    if cd is None or cd.autocast_stack.is_empty() or not thunder_autocast.is_autocast_enabled():
-        return None
-    dtype = cd.autocast_stack.get_dtype_for_device_if_enabled(device_type)
-    return None if dtype is None else dtypes.to_torch_dtype(dtypes.to_dtype(dtype))
-
-
 def is_sdpa_kernel_fx_target(target: Any) -> bool:
     """Whether a dynamo graph's call target is one of the calls dynamo records for an ``sdpa_kernel`` context."""
     import torch.nn.attention as attention

@@ -50,11 +50,16 @@ def _padded_rows(rows: int, dp: int) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # the unshard: all-gather over the data-parallel mesh dim
 # ---------------------------------------------------------------------------------------------------------
+def _contiguous_proxy(spec: Any, device: Any, requires_grad: bool) -> DTensorProxy:
+    """A proxy of ``spec`` whose local shard is contiguous (what the collectives below produce)."""
+    local_shape = ti.local_shape_on(tuple(spec.tensor_meta.shape), spec.mesh, tuple(spec.placements))
+    meta = DTensorMeta.from_spec(spec, local_shape, contiguous_stride(local_shape))
+    return DTensorProxy(meta=meta, device=device, requires_grad=requires_grad)
+
+
 def _unsharded_meta(sharded: DTensorProxy, tp_mesh: Any, tp_placements: tuple, dp_mesh_dim: int) -> DTensorProxy:
     spec = ti.make_spec(tp_mesh, tuple(tp_placements), sharded.meta.spec.tensor_meta)
-    local_shape = ti.local_shape_on(sharded.shape, tp_mesh, tuple(tp_placements))
-    meta = DTensorMeta.from_spec(spec, local_shape, contiguous_stride(local_shape))
-    return DTensorProxy(meta=meta, device=sharded.device, requires_grad=sharded.requires_grad)
+    return _contiguous_proxy(spec, sharded.device, sharded.requires_grad)
 
 
 def _unshard(sharded: Any, tp_mesh: Any, tp_placements: tuple, dp_mesh_dim: int) -> Any:
@@ -90,10 +95,7 @@ def _sharded_grad_spec(grad_spec: Any, mesh: Any, placements: tuple) -> Any:
 def _reduce_scatter_meta(
     g: DTensorProxy, tp_placements: tuple, mesh: Any, placements: tuple, dp_mesh_dim: int
 ) -> DTensorProxy:
-    spec = _sharded_grad_spec(g.meta.spec, mesh, placements)
-    local_shape = ti.local_shape_on(g.shape, mesh, tuple(placements))
-    meta = DTensorMeta.from_spec(spec, local_shape, contiguous_stride(local_shape))
-    return DTensorProxy(meta=meta, device=g.device, requires_grad=False)
+    return _contiguous_proxy(_sharded_grad_spec(g.meta.spec, mesh, placements), g.device, requires_grad=False)
 
 
 def _reduce_scatter(g: Any, tp_placements: tuple, mesh: Any, placements: tuple, dp_mesh_dim: int) -> Any:

@@ -158,7 +158,7 @@ def _stand_in(x: Any) -> Any:
         shape, dtype, device, requires_grad = tuple(x.shape), x.dtype, x.device, x.requires_grad
     else:
         return x
-    autocast_dtype = ti.autocast_dtype_while_tracing(device.type)
+    autocast_dtype = ti.thunder_autocast_dtype(device.type)
     if autocast_dtype is not None and dtype.is_floating_point:
         dtype = autocast_dtype
     row = torch.empty(shape[-1:], dtype=dtype, device=device)

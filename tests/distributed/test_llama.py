@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 from thunder_dtensor.testing import mesh_1d, world_size
 from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_tp, llama_loss
-from thunder_dtensor.testing.training import COMPILERS, PARITY_TOL, assert_grads_match, thunder_program
+from thunder_dtensor.testing.training import COMPILERS, PARITY_TOL, assert_grads_match, full_value, thunder_program
 
 import pytest
 import thunder
@@ -60,8 +60,7 @@ def test_llama_with_torchtitan_tp_plan_trains_like_single_process(compiler, vari
             loss.backward()
         ref_loss = llama_loss(ref(tokens), labels)
         ref_loss.backward()
-        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        torch.testing.assert_close(loss, ref_loss, **PARITY_TOL)
+        torch.testing.assert_close(full_value(loss), ref_loss, **PARITY_TOL)
         assert_grads_match(model, ref, f"{compiler} {variant} step {step}")
         for o in (opt, ref_opt):
             o.step()

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
 RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 
-.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo clean
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ op-coverage: setup
 
 tp-demo: setup
 	$(RUN2) examples/tp_transformer.py
+
+# step time and first-call time, eager DTensor vs torch.compile vs thunder (at most 10 minutes on 2 cores):
+# writes benchmarks/results/results.{json,md,png}; see benchmarks/README.md
+bench: setup
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
+	$(RUN2) benchmarks/bench.py
 
 lint: setup
 	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts

@@ -35,13 +35,17 @@ def main() -> None:
     torch.testing.assert_close(w.grad.full_tensor(), x_full)
 
     if dist.get_rank() == 0:
-        for title, traces in (
-            ("prologue", thunder.last_prologue_traces(jfn)),
-            ("computation", thunder.last_traces(jfn)),
-            ("backward", thunder.last_backward_traces(jfn)),
+        for title, trace in (
+            (
+                "prologue: checks each input's DTensor spec, local shape and stride",
+                thunder.last_prologue_traces(jfn)[-1],
+            ),
+            ("the DTensor program (dtensor prims on DTensor proxies)", thunder.last_traces(jfn)[0]),
+            ("forward, as run: lowered to local ops (plus collectives), wrap / unwrap", thunder.last_traces(jfn)[-1]),
+            ("backward, as run", thunder.last_backward_traces(jfn)[-1]),
         ):
-            print(f"===== {title} trace =====")
-            print(traces[-1])
+            print(f"===== {title} =====")
+            print(trace)
         print(f"output placements {out.placements}, x.grad placements {x.grad.placements}")
         print("seed example: values and gradients match plain torch on the full tensors")
     dist.destroy_process_group()

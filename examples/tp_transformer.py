@@ -37,7 +37,14 @@ def main() -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallel (default: tensor parallel)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--thunderfx", action="store_true", help="compile with thunderfx instead of thunder.jit")
-    parser.add_argument("--traces", action="store_true", help="print the computation and backward traces")
+    parser.add_argument(
+        "--traces",
+        action="store_true",
+        help="print the prologue, the DTensor program, its lowered forward and backward",
+    )
+    parser.add_argument(
+        "--no-lowering", action="store_true", help="run each DTensor op eagerly (dtensor_lowering=False)"
+    )
     args = parser.parse_args()
 
     init_distributed()
@@ -45,8 +52,9 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     reference = GPT(cfg).to(device_type())
     model = parallelize(copy.deepcopy(reference), mesh_1d(), sequence_parallel=args.sp)
-    backend = ThunderCompiler()  # thunderfx: thunder as torch.compile's backend
-    compiled = torch.compile(model, backend=backend) if args.thunderfx else thunder.jit(model)
+    options = {"dtensor_lowering": not args.no_lowering}
+    backend = ThunderCompiler(**options)  # thunderfx: thunder as torch.compile's backend
+    compiled = torch.compile(model, backend=backend) if args.thunderfx else thunder.jit(model, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     rank0 = dist.get_rank() == 0
@@ -73,8 +81,20 @@ def main() -> None:
         print(f"{mode} parallel on {dist.get_world_size()} ranks; thunder compiled {misses} time(s)")
         if args.traces:
             for program in programs:
-                print(thunder.last_traces(program)[-1])
-                print(thunder.last_backward_traces(program)[-1])
+                for title, trace in (
+                    (
+                        "prologue: checks each input's DTensor spec, local shape and stride",
+                        thunder.last_prologue_traces(program)[-1],
+                    ),
+                    ("the DTensor program (dtensor prims on DTensor proxies)", thunder.last_traces(program)[0]),
+                    (
+                        "forward, as run: local ops, collectives, wrap / unwrap at the boundary",
+                        thunder.last_traces(program)[-1],
+                    ),
+                    ("backward, as run", thunder.last_backward_traces(program)[-1]),
+                ):
+                    print(f"===== {title} =====")
+                    print(trace)
     dist.destroy_process_group()
 
 

@@ -78,3 +78,10 @@ if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import fsdp
 
     fsdp.install()  # FSDP2 (fully_shard) under thunder.jit: its hooks stay out of the interpreter
+
+    from thunder_dtensor import lowering
+
+    # DTensor programs become local ops plus explicit collectives (thunder.jit(fn, dtensor_lowering=False): not)
+    _integration.install_lowering(
+        lowering.lower_dtensor_program, lowering.lowering_enabled, lowering.annotate_not_lowered
+    )

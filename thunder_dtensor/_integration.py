@@ -346,10 +346,15 @@ def dtensor_from_local_unchecked(local: torch.Tensor, spec: Any) -> Any:
 
 def local_offset(dtensor: Any) -> tuple[int, ...]:
     """Where this rank's shard starts in the global tensor, per dim."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     spec = dtensor_spec(dtensor)
-    return tuple(compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)[1])
+    # numbers known from the spec, not traced values (the lowering's make_fx runs this under fake tensors)
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+        offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)[1]
+    return tuple(int(o) for o in offset)
 
 
 def clear_sharding_propagation_cache() -> None:
@@ -1367,3 +1372,98 @@ def scope_ambient_autocast_to_each_call() -> None:
 
     scoped._thunder_dtensor_scoped = True  # type: ignore[attr-defined]
     thunder._with_cache_info_ctx = scoped
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lowering (thunder 0.2.6 layout; used by lowering.py)
+# ---------------------------------------------------------------------------------------------------------
+from thunder.core.compile_data import get_compile_option  # noqa: E402, F401  (re-exported for lowering.py)
+from thunder.core.trace import TraceProvenance  # noqa: E402, F401  (re-exported for lowering.py)
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402, F401  (re-exported for lowering.py)
+
+
+def torch_tree_map(fn: Callable, tree: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
+@contextlib.contextmanager
+def no_ambient_autocast() -> Iterator[None]:
+    """torch's autocast off on every device type while a trace-time function runs (ops that autocast
+    themselves still can, inside)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def is_functional_collective(op: Any) -> bool:
+    """Whether ``op`` (an OpOverload) is one of torch.distributed's functional collectives (or their wait)."""
+    return getattr(op, "namespace", None) == "_c10d_functional"
+
+
+def group_name(mesh: Any, dim: int) -> str:
+    """The process group name of one mesh dim, as functional collectives name it."""
+    return mesh.get_group(dim).group_name
+
+
+@contextlib.contextmanager
+def fake_tensor_logging_muted() -> Iterator[None]:
+    """Mute fake tensor's log of failing meta kernels while a trace-time run may fail (we report it)."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def let_torch_executors_claim(symbol: Symbol, fn: Callable) -> None:
+    """Make a lowered local op claimable by thunder's torch executor and fusible by its torch.compile executor.
+
+    thunder's ``torchcompile`` executor fuses only symbols in its table and compiles each region through the
+    torch executor, so the op goes into both; collectives and the DTensor boundary never do.
+    """
+    from thunder.executors.torch_compile import torch_compile_ex
+    from thunder.executors.torchex import ex as pytorch_ex
+    from thunder.extend import ImplInfo
+
+    op = pytorch_ex.register_operator(symbol.name, like=symbol, fn=fn)
+    pytorch_ex.register_implementation(symbol, op, checker=lambda *args, **kwargs: True)
+    torch_compile_ex._implmap[symbol.id] = ImplInfo()
+
+
+def install_lowering(
+    lower: Callable[[TraceCtx], TraceCtx], enabled: Callable[[], bool], annotate: Callable[[TraceCtx, TraceCtx], None]
+) -> None:
+    """Run ``lower`` on the computation trace (the joint forward + backward one under autograd) just before
+    thunder assigns executors to it.
+
+    thunder 0.2.6's ``thunder.jit`` calls ``transform_for_execution`` (imported into ``thunder``'s namespace) on
+    the prologue, then once on the computation trace, which autodiff has already made the joint trace; the
+    forward / backward split comes after, so a transform here sees both halves and the split saves whatever
+    the lowered forward computes for the backward. The prologue (run by the Python executor only) is skipped.
+    """
+    if getattr(thunder.transform_for_execution, "_thunder_dtensor_lowering", False):
+        return
+    if not (LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")):
+        raise ImportError(f"thunder {thunder.__version__}: check where the lowering hooks in, then update _integration")
+    original = thunder.transform_for_execution
+
+    @functools.wraps(original)
+    def transform_for_execution(trace: TraceCtx, executors_list: Any, *args: Any, **kwargs: Any) -> Any:
+        is_prologue = tuple(executors_list) == (thunder.pythonex,)
+        if not is_prologue and enabled():
+            lowered = lower(trace)
+            if lowered is not trace:
+                traces = original(lowered, executors_list, *args, **kwargs)
+                annotate(lowered, traces[-1])
+                return [lowered, *traces]
+        return original(trace, executors_list, *args, **kwargs)
+
+    transform_for_execution._thunder_dtensor_lowering = True  # type: ignore[attr-defined]
+    thunder.transform_for_execution = transform_for_execution

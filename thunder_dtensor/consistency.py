@@ -1,10 +1,11 @@
 """Opt-in check that every rank compiled the same sequence of DTensor ops (``THUNDER_DTENSOR_CHECK_COLLECTIVES=1``).
 
-Every rank must issue the same collectives in the same order, or a job hangs. Today the collectives are
-implicit inside the dtensor prims (each runs the eager DTensor op, which derives them from the input specs),
-so two ranks agree when their programs hold the same dtensor prims, in the same order, on inputs and outputs
-of the same global specs. Each rank traces its own program, though, and Python that branches on the rank
-(or on anything else that differs per rank) at trace time gives ranks different programs.
+Every rank must issue the same collectives in the same order, or a job hangs. In a lowered program they
+are explicit symbols, checked by kind, mesh dim, reduce op and dtype; where a prim runs as the eager DTensor
+op (lowering off, or a prim the lowering keeps) they are implicit in it, so two ranks agree when their
+programs hold the same dtensor prims, in the same order, on inputs and outputs of the same global specs.
+Each rank traces its own program, though, and Python that branches on the rank (or on anything else that
+differs per rank) at trace time gives ranks different programs.
 
 With the variable set, each time thunder.jit finishes a program (forward and backward traces) every rank
 describes its dtensor ops with global-level specs only (placements, global shape, dtype, mesh shape and dim
@@ -29,6 +30,7 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
+from thunder_dtensor.lowering import COLLECTIVE_SYMBOLS, dtensor_comm_ex
 from thunder_dtensor.proxy import DTensorProxy
 
 __all__ = ["ENV_VAR", "CollectiveMismatchError", "check_compiled_program", "enabled", "program_ops"]
@@ -52,6 +54,9 @@ class CollectiveMismatchError(RuntimeError):
         self.ops_by_rank = ops_by_rank
 
 
+_REDUCE_OPS = {"sum", "avg", "max", "min", "product", "premul_sum"}
+
+
 def enabled() -> bool:
     """Read at every compilation, so setting the variable later in a process takes effect."""
     return os.environ.get(ENV_VAR, "") == "1"
@@ -65,7 +70,17 @@ def _describe_dtensor(p: DTensorProxy) -> str:
 
 
 def describe_op(bsym: ti.BoundSymbol) -> str:
-    """One dtensor op as every rank should see it: the prim and the global specs of its DTensor ins and outs."""
+    """One dtensor op as every rank should see it: the prim and the global specs of its DTensor ins and outs.
+
+    A lowered collective is described by its kind, mesh dim, reduce op and dtype: its local shapes may
+    differ per rank (uneven shards), its sequence may not.
+    """
+    if bsym.sym.name in COLLECTIVE_SYMBOLS:
+        tensors = [a for a in bsym.flat_args if isinstance(a, ti.TensorProxy)]
+        dtype = tensors[0].dtype.shortname() if tensors else ""
+        reduce_op = next((a for a in bsym.args if isinstance(a, str) and a in _REDUCE_OPS), None)
+        extra = "" if reduce_op is None else f", {reduce_op}"
+        return f"{bsym.sym.name}(mesh_dim={bsym.kwargs.get('mesh_dim')}{extra}, {dtype})"
     ins = ", ".join(_describe_dtensor(a) for a in bsym.flat_args if isinstance(a, DTensorProxy))
     outs = ", ".join(_describe_dtensor(o) for o in bsym.flat_outs if isinstance(o, DTensorProxy))
     return f"{bsym.sym.name}({ins}) -> ({outs})"
@@ -78,7 +93,7 @@ def program_ops(traces: Sequence[tuple[str, Any]]) -> list[str]:
         if trace is None:
             continue
         for bsym in trace.bound_symbols:
-            if getattr(bsym.sym, "executor", None) is dtensor_ex:
+            if getattr(bsym.sym, "executor", None) in (dtensor_ex, dtensor_comm_ex):
                 ops.append(f"{label}: {describe_op(bsym)}")
     return ops
 

@@ -78,7 +78,9 @@ def _unshard(sharded: Any, tp_mesh: Any, tp_placements: tuple, dp_mesh_dim: int)
     return ti.dtensor_from_local_unchecked(gathered[:rows], tp_spec)
 
 
-dtensor_fsdp_unshard_prim = define_dtensor_prim("fsdp_unshard", _unshard, meta=_unsharded_meta)
+dtensor_fsdp_unshard_prim = define_dtensor_prim(
+    "fsdp_unshard", _unshard, meta=_unsharded_meta, not_lowered="FSDP2 collectives on its own buffers (c10d)"
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -120,7 +122,11 @@ def _reduce_scatter(g: Any, tp_placements: tuple, mesh: Any, placements: tuple, 
 
 
 dtensor_fsdp_reduce_scatter_prim = define_dtensor_prim(
-    "fsdp_reduce_scatter", _reduce_scatter, meta=_reduce_scatter_meta, differentiable=False
+    "fsdp_reduce_scatter",
+    _reduce_scatter,
+    meta=_reduce_scatter_meta,
+    differentiable=False,
+    not_lowered="FSDP2 collectives on its own buffers (c10d)",
 )
 
 

@@ -30,6 +30,12 @@ __all__ = [
 #: Every dtensor prim by name, for introspection, docs and tests.
 DTENSOR_PRIMS: dict[str, ti.Symbol] = {}
 
+#: prim name -> the torch operation it runs on DTensors (what the lowering traces with DTensor's dispatch)
+RUNTIME_FNS: dict[str, Callable] = {}
+
+#: prim name -> why it is never lowered (it exists to run eager DTensor code, or nothing, at run time)
+NOT_LOWERED: dict[str, str] = {}
+
 
 def to_torch_value(x: Any) -> Any:
     """Map thunder's dtype/device values and number proxies to what torch functions take."""
@@ -188,13 +194,15 @@ def define_dtensor_prim(
     execute: Callable | None = None,
     differentiable: bool = True,
     tags: tuple = (),
+    not_lowered: str | None = None,
 ) -> ti.Symbol:
     """Create ``dtensor_<name>_prim`` and register its execution on the dtensor executor.
 
     ``torch_fn`` is the torch operation on DTensors; by default it is both the meta's fake run and the
     runtime implementation. ``meta`` and ``execute`` override them where the two differ (a prim that
     takes thunder dtypes, say). A differentiable prim starts with the generic grad rule (see
-    :func:`run_vjp`); ``define_vjp`` replaces it with a dedicated one.
+    :func:`run_vjp`); ``define_vjp`` replaces it with a dedicated one. ``not_lowered`` (a reason) keeps the
+    prim out of the lowering: it then always runs as the eager DTensor op.
     """
     prim_name = f"dtensor_{name}_prim"
     ti.check(prim_name not in DTENSOR_PRIMS, lambda: f"{prim_name} is already defined")
@@ -210,6 +218,9 @@ def define_dtensor_prim(
     op = dtensor_ex.register_operator(prim_name, like=prim, fn=runtime_fn, tags=list(tags))
     dtensor_ex.register_implementation(prim, op, checker=_always)
     DTENSOR_PRIMS[prim_name] = prim
+    RUNTIME_FNS[prim_name] = runtime_fn
+    if not_lowered is not None:
+        NOT_LOWERED[prim_name] = not_lowered
     if differentiable:
         _register_generic_vjp(prim, name, runtime_fn)
     else:  # no gradient flows through it (factories, guards, vjps)
@@ -223,7 +234,12 @@ def _no_op(*args: Any) -> None:
 
 #: a backward step that computes nothing and is never removed (see the generic grad rule)
 _undefined_gradients = define_dtensor_prim(
-    "undefined_gradients", _no_op, meta=_no_op, differentiable=False, tags=(ti.OpTags.DONT_DCE,)
+    "undefined_gradients",
+    _no_op,
+    meta=_no_op,
+    differentiable=False,
+    tags=(ti.OpTags.DONT_DCE,),
+    not_lowered="a kept no-op (a backward that computes no gradient)",
 )
 
 

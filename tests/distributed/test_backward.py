@@ -52,10 +52,22 @@ def test_partial_input_grad():
 
 
 def test_last_backward_traces_prints_backward():
+    from thunder_dtensor.testing import mesh_1d
+
+    from torch.distributed.tensor import distribute_tensor
+
     x, w = make_full((8, 8), seed=0), make_full((8, 8), seed=1)
     result = run_case(DTensorCase(chain, [x, w], [[Shard(0)], [Shard(0)]]))
     backward = str(thunder.last_backward_traces(result.jitted)[-1])
     assert "def backward_fn" in backward
+    # lowered: local aten ops, gradients wrapped as DTensors of their specs
+    assert "aten_mul_Tensor" in backward and "aten_add_Tensor" in backward and "wrap_dtensor" in backward
+    assert "placements=(Shard(dim=0),)" in backward
+    # with the lowering off, the dtensor prims themselves
+    jfn = thunder.jit(chain, dtensor_lowering=False)
+    inputs = [distribute_tensor(t, mesh_1d(), [Shard(0)]).requires_grad_() for t in (x, w)]
+    jfn(*inputs).sum().backward()
+    backward = str(thunder.last_backward_traces(jfn)[-1])
     assert "dtensor_mul_prim" in backward and "dtensor_add_prim" in backward
     assert "DTensor" in backward
 
@@ -80,7 +92,8 @@ def _count_matmuls_in_backward(fn, inputs) -> int:
 
 
 @pytest.mark.world_size(2, 4)
-def test_frozen_inputs_get_no_gradient_computed():
+@pytest.mark.parametrize("lowering", [True, False], ids=["lowered", "eager_prims"])
+def test_frozen_inputs_get_no_gradient_computed(lowering):
     """The issue's program: with w frozen, the backward computes no gradient for it (no matmul for it)."""
     from thunder_dtensor.testing import mesh_1d
 
@@ -100,12 +113,17 @@ def test_frozen_inputs_get_no_gradient_computed():
             distribute_tensor(t.clone(), mesh_1d(), p).requires_grad_(rg)
             for t, p, rg in zip(full, placements, [True, not frozen, False])
         ]
-        jfn = thunder.jit(fn)
+        jfn = thunder.jit(fn, dtensor_lowering=lowering)
         counts[frozen] = _count_matmuls_in_backward(jfn, inputs)
         backward = str(thunder.last_backward_traces(jfn)[-1])
-        (linear_vjp,) = [line for line in backward.splitlines() if "linear_vjp_prim(" in line and "#" not in line]
-        # the vjp differentiates w.r.t. flat input 0 (x) only when w is frozen, (0, 1) otherwise
-        assert linear_vjp.rstrip().endswith("(0,))" if frozen else "(0, 1))"), linear_vjp
+        vjps = [line for line in backward.splitlines() if "linear_vjp_prim(" in line and "#" not in line]
+        if lowering:  # the joint program's backward: one matmul for x's gradient, one more for w's
+            assert not vjps, backward
+            assert counts[frozen] == (1 if frozen else 2), counts
+        else:
+            # the vjp differentiates w.r.t. flat input 0 (x) only when w is frozen, (0, 1) otherwise
+            (linear_vjp,) = vjps
+            assert linear_vjp.rstrip().endswith("(0,))" if frozen else "(0, 1))"), linear_vjp
         assert inputs[1].grad is None if frozen else inputs[1].grad is not None
     # eager's backward for x alone: one matmul; the generic vjp also recomputes the forward's (one more)
     assert counts[True] < counts[False], counts

@@ -1,6 +1,8 @@
-"""Only thunder_dtensor's executor runs dtensor prims, whatever executors the user passes."""
+"""Only thunder_dtensor's executors run dtensor prims, collectives and the DTensor boundary, whatever
+executors the user passes."""
 
 from thunder_dtensor import DTensorProxy, dtensor_ex
+from thunder_dtensor.lowering import COLLECTIVE_SYMBOLS, dtensor_comm_ex
 from thunder_dtensor.primitive import DTENSOR_PRIMS
 from thunder_dtensor.testing import make_full, mesh_1d
 
@@ -23,14 +25,18 @@ def _touches_dtensor(bsym):
     return any(isinstance(p, DTensorProxy) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs))
 
 
+OURS = (dtensor_ex, dtensor_comm_ex)
+
+
+@pytest.mark.parametrize("lowering", [True, False], ids=["lowered", "eager_prims"])
 @pytest.mark.parametrize("executors", [None, "all"], ids=["default", "torchcompile+torch+python+nvfuser"])
-def test_every_dtensor_bsym_runs_on_dtensor_executor(executors):
+def test_every_dtensor_bsym_runs_on_dtensor_executor(executors, lowering):
     mesh = mesh_1d()
     x = distribute_tensor(make_full((8, 8), seed=0), mesh, [Shard(0)]).requires_grad_()
     w = distribute_tensor(make_full((8, 8), seed=1), mesh, [Replicate()]).requires_grad_()
     b = distribute_tensor(make_full((8,), seed=2), mesh, [Replicate()]).requires_grad_()
     kwargs = {} if executors is None else {"executors": _available_executors()}
-    jfn = thunder.jit(fn, **kwargs)
+    jfn = thunder.jit(fn, dtensor_lowering=lowering, **kwargs)
     out = jfn(x, w, b)
     out.sum().backward()
 
@@ -38,13 +44,17 @@ def test_every_dtensor_bsym_runs_on_dtensor_executor(executors):
         dtensor_bsyms = [b for b in trace.bound_symbols if "dtensor" in b.sym.name]
         assert dtensor_bsyms, "expected dtensor symbols in the execution trace"
         for bsym in dtensor_bsyms:
-            assert bsym.sym.executor is dtensor_ex, f"{bsym.sym.name} runs on {bsym.sym.executor}"
+            assert bsym.sym.executor in OURS, f"{bsym.sym.name} runs on {bsym.sym.executor}"
         for bsym in trace.bound_symbols:
             # thunder's bookkeeping (unpack, del, return) has no executor; every other executor leaves DTensors alone
-            if bsym.sym.executor not in (None, dtensor_ex):
+            if bsym.sym.executor not in (None, *OURS):
                 assert not _touches_dtensor(bsym), f"{bsym.sym.name} on {bsym.sym.executor} touches a DTensor"
+            if bsym.sym.name in COLLECTIVE_SYMBOLS:
+                assert bsym.sym.executor is dtensor_comm_ex
 
-    # no other executor claims a dtensor prim
+    # no other executor claims a dtensor prim or a collective
     for ex in _available_executors():
         for name, prim in DTENSOR_PRIMS.items():
             assert prim.id not in ex.implmap, f"{ex.name} has an implementation of {name}"
+        for name, sym in COLLECTIVE_SYMBOLS.items():
+            assert sym.id not in ex.implmap, f"{ex.name} has an implementation of {name}"

@@ -394,7 +394,7 @@ def test_redistributing_inplace_ops_match_eager(name):
 # ---------------------------------------------------------------------------------------------------------
 def test_trace_shows_inplace_symbols_and_dtensor_executor_runs_them():
     x, w = _distribute([make_full((4, 6), seed=70), make_full((4, 6), seed=71)], [S0, S0], [False, True])
-    jfn = thunder.jit(write_then_read)
+    jfn = thunder.jit(write_then_read, dtensor_lowering=False)
     jfn(x, w).sum().backward()
     initial = str(thunder.last_traces(jfn)[0])
     assert "dtensor_mul_(x, w)" in initial, initial
@@ -406,6 +406,12 @@ def test_trace_shows_inplace_symbols_and_dtensor_executor_runs_them():
             touches = any(isinstance(p, DTensorProxy) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs))
             if touches and bsym.sym.executor is not None:
                 assert bsym.sym.executor is dtensor_ex, f"{bsym.sym.name} runs on {bsym.sym.executor}"
+    # lowered: the write into the caller's DTensor stays the eager copy_, and the trace says why
+    lowered = thunder.jit(write_then_read)
+    lowered(x, w)
+    execution = thunder.last_traces(lowered)[-1]
+    (copy,) = [b for b in execution.bound_symbols if b.sym.name == "dtensor_copy__prim"]
+    assert "not lowered" in str(copy.header) and "in place" in str(copy.header), copy.header
 
 
 def test_plain_tensor_inplace_is_thunders():

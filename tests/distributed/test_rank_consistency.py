@@ -55,12 +55,14 @@ def test_uneven_shards_agree(monkeypatch, gathers):
     ops = consistency.program_ops(
         (("forward", thunder.last_traces(jfn)[-1]), ("backward", thunder.last_backward_traces(jfn)[-1]))
     )
-    assert any(op.startswith("forward: dtensor_mul_prim(f32[5, 3] (Shard(dim=0))") for op in ops), ops
+    # lowered: the boundary with global specs (never local shapes) and any collective by kind and mesh dim
+    assert any(op.startswith("forward: unwrap_dtensor(f32[5, 3] (Shard(dim=0))") for op in ops), ops
     assert any(op.startswith("backward: ") for op in ops), ops
 
 
 @pytest.mark.world_size(2, 4)
-def test_rank_dependent_trace_raises_on_every_rank(monkeypatch, gathers):
+@pytest.mark.parametrize("lowering", [True, False], ids=["lowered", "eager_prims"])
+def test_rank_dependent_trace_raises_on_every_rank(monkeypatch, gathers, lowering):
     """Rank 0 alone redistributes at trace time: every rank raises, naming the op on each rank; none hangs."""
     monkeypatch.setenv(consistency.ENV_VAR, "1")
     mesh = mesh_1d()
@@ -72,11 +74,15 @@ def test_rank_dependent_trace_raises_on_every_rank(monkeypatch, gathers):
 
     x = distribute_tensor(make_full((4, 3), seed=3), mesh, [Shard(0)])
     with pytest.raises(consistency.CollectiveMismatchError) as info:
-        thunder.jit(diverging)(x)
+        thunder.jit(diverging, dtensor_lowering=lowering)(x)
     message = str(info.value)
-    assert "first difference at op #0 of the program (forward)" in message, message
-    assert "rank 0: forward: dtensor_redistribute" in message and "(Replicate())" in message, message
-    assert "rank 1: forward: dtensor_mul_prim(f32[4, 3] (Shard(dim=0))" in message, message
+    if lowering:  # rank 0 gathers where the others go on: the collective itself is named
+        assert "first difference at op #1 of the program (forward)" in message, message
+        assert "rank 0: forward: all_gather_into_tensor(mesh_dim=0, f32)" in message, message
+    else:
+        assert "first difference at op #0 of the program (forward)" in message, message
+        assert "rank 0: forward: dtensor_redistribute" in message and "(Replicate())" in message, message
+        assert "rank 1: forward: dtensor_mul_prim(f32[4, 3] (Shard(dim=0))" in message, message
     assert len(gathers) == 2  # the hash, then the ops: on every rank, so nobody waits
     dist.barrier()  # every rank got here: no rank is left in a collective
 

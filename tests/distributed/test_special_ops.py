@@ -42,7 +42,9 @@ def test_sequence_sharded_sdpa_gathers_first():
         DTensorCase(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [q, k, v], [[Shard(2)]] * 3),
         compare_eager=False,
     )
-    assert "dtensor_redistribute_prim" in str(thunder.last_traces(result.jitted)[-1])
+    assert "dtensor_redistribute_prim" in str(thunder.last_traces(result.jitted)[0])
+    # lowered: the sequence dim gathered, explicitly
+    assert "all_gather_into_tensor(" in str(thunder.last_traces(result.jitted)[-1])
 
 
 @pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Replicate()]], ids=str)
@@ -65,10 +67,12 @@ def test_fallback_op_without_dedicated_prim():
     x = make_full((6, 8), seed=4)
     result = run_case(DTensorCase(lambda x: torch.cumsum(x, dim=1) * 2, [x], [[Shard(0)]]))
     assert result.thunder_out[0].placements == (Shard(0),)
+    assert "dtensor_torch_cumsum_prim(" in str(thunder.last_traces(result.jitted)[0])
+    # lowered: eager DTensor's local cumsum, and its backward from the joint program (no rerun of the cumsum)
     forward = str(thunder.last_traces(result.jitted)[-1])
     backward = str(thunder.last_backward_traces(result.jitted)[-1])
-    assert "dtensor_torch_cumsum_prim(" in forward
-    assert "dtensor_torch_cumsum_vjp_prim(" in backward
+    assert "aten_cumsum(" in forward and "aten_cumsum(" not in backward.replace("aten_cumsum(t", "")
+    assert "vjp_prim" not in backward
 
 
 def test_op_eager_rejects_fails_at_trace_time():

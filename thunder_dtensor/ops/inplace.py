@@ -39,6 +39,7 @@ from thunder_dtensor.ops.fallback import fallback_prim
 from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand
 from thunder_dtensor.primitive import (
     DTENSOR_PRIMS,
+    NOT_LOWERED,
     define_dtensor_prim,
     define_vjp,
     propagate_on_fake_dtensors,
@@ -86,6 +87,7 @@ def _define_copy_prim() -> ti.Symbol:
     op = dtensor_ex.register_operator(name, like=prim, fn=_copy_into)
     dtensor_ex.register_implementation(prim, op, checker=lambda *args, **kwargs: True)
     DTENSOR_PRIMS[name] = prim
+    NOT_LOWERED[name] = "writes into its destination DTensor in place"
     return prim
 
 
@@ -109,7 +111,11 @@ def _update_aliases_meta(aliases: tuple) -> tuple:
 
 
 dtensor_update_aliases_prim = define_dtensor_prim(
-    "update_aliases", lambda aliases: aliases, meta=_update_aliases_meta, differentiable=False
+    "update_aliases",
+    lambda aliases: aliases,
+    meta=_update_aliases_meta,
+    differentiable=False,
+    not_lowered="renames the written DTensors: the caller's stay the same objects (a leaf stays a leaf)",
 )
 
 

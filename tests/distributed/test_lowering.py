@@ -1,0 +1,182 @@
+"""The lowering: DTensor programs run as local ops plus explicit collectives, forward and backward.
+
+What is asserted: the lowered traces show each collective with its mesh dim and no dtensor prim, while the
+first trace keeps the DTensor program; a steady-state call dispatches no DTensor op (a TorchDispatchMode
+counts aten ops with DTensor arguments); the backward reruns no forward op; collectives come in the same
+order on every rank, uneven shards included; ``dtensor_lowering=False`` keeps the eager-prim path. Values are
+compared with plain torch on the full tensors, collectives and gradient placements with eager DTensor.
+"""
+
+import copy
+
+from thunder_dtensor.testing import mesh_1d, world_size
+from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize
+from thunder_dtensor.testing.training import PARITY_TOL as TOL
+from thunder_dtensor.testing.training import assert_grads_match
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+
+
+class DTensorOps(TorchDispatchMode):
+    """Records every aten op called with a DTensor argument (DTensor's own dispatch would follow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs or {}))[0]):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+
+def _tp_mlp(ref: nn.Module) -> nn.Module:
+    return parallelize_module(copy.deepcopy(ref), mesh_1d(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _symbols(trace) -> list[str]:
+    return [b.sym.name for b in trace.bound_symbols]
+
+
+def _collectives(trace) -> list[str]:
+    return [f"{b.sym.name}@{b.kwargs.get('mesh_dim')}" for b in trace.bound_symbols if b.sym.name in COLLECTIVES]
+
+
+def test_tp_mlp_traces_show_collectives_and_run_no_dtensor_op():
+    ref = _mlp()
+    model = _tp_mlp(ref)
+    jitted = thunder.jit(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(2):  # compile, then a cached call
+        out = jitted(x)
+        out.sum().backward()
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    # the DTensor program first, its lowered form last
+    assert any(name.startswith("dtensor_") for name in _symbols(thunder.last_traces(jitted)[0]))
+    for trace in (forward, backward):
+        assert not [n for n in _symbols(trace) if n.startswith("dtensor_") and n.endswith("_prim")], str(trace)
+    # rowwise output: Partial -> Replicate; colwise input gradient: Partial -> Replicate (mesh dim 0)
+    assert _collectives(forward) == ["all_reduce@0"], str(forward)
+    assert _collectives(backward) == ["all_reduce@0"], str(backward)
+    # no forward op rerun: 2 matmuls forward, 4 backward (input and weight gradients of each linear)
+    assert _symbols(forward).count("aten_mm") + _symbols(forward).count("aten_addmm") == 2
+    assert _symbols(backward).count("aten_mm") == 4, str(backward)
+
+    model.zero_grad(set_to_none=True)
+    with DTensorOps() as fwd_ops:
+        out = jitted(x)
+    assert fwd_ops.ops == [], fwd_ops.ops
+    with DTensorOps() as bwd_ops:
+        out.sum().backward()
+    # what autograd itself does with the DTensor parameters' gradients (accumulation into .grad), nothing else
+    assert set(bwd_ops.ops) <= {"aten.detach.default"}, bwd_ops.ops
+
+    expected = ref(x.detach())
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, **TOL)
+    assert_grads_match(model, ref, "tp mlp")
+
+
+def test_lowering_off_keeps_the_eager_prims():
+    ref = _mlp()
+    model = _tp_mlp(ref)
+    jitted = thunder.jit(model, dtensor_lowering=False)
+    x = torch.randn(4, 16)
+    jitted(x).sum().backward()
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    assert not _collectives(forward) and not _collectives(backward)
+    assert "dtensor_nn_functional_linear_prim" in _symbols(forward)
+    ref(x).sum().backward()
+    assert_grads_match(model, ref, "tp mlp, lowering off")
+
+
+def _chain(x, w, b):
+    y = x.redistribute(x.device_mesh, [Replicate()]) * w  # all_gather of an uneven shard
+    z = (y @ b).sum(0, keepdim=True)
+    return z + x.sum()
+
+
+@pytest.mark.world_size(2, 4)
+def test_uneven_shards_issue_collectives_in_the_same_order_on_every_rank():
+    mesh = mesh_1d()
+    torch.manual_seed(0)
+    rows = 2 * world_size() + 1  # uneven: the last rank holds fewer rows
+    full = [torch.randn(rows, 6), torch.randn(rows, 6), torch.randn(6, 3)]
+    placements = [[Shard(0)], [Replicate()], [Shard(1)]]
+    args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, placements)]
+    eager_args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, placements)]
+    jitted = thunder.jit(_chain)
+    cotangent = torch.randn(1, 3)
+    # compile first (tracing runs DTensor's dispatch on fake tensors, whose collectives the mode would count)
+    jitted(*args).backward(distribute_tensor(cotangent, mesh, [Shard(1)]))
+    for a in args:
+        a.grad = None
+    with CommDebugMode() as jit_comms:
+        out = jitted(*args)
+        out.backward(distribute_tensor(cotangent, mesh, out.placements))
+    with CommDebugMode() as eager_comms:
+        eager_out = _chain(*eager_args)
+        eager_out.backward(distribute_tensor(cotangent, mesh, eager_out.placements))
+    plain = [t.clone().requires_grad_() for t in full]
+    expected = _chain_plain(*plain)
+    expected.backward(cotangent)
+    torch.testing.assert_close(out.full_tensor(), expected, **TOL)
+    for a, e, p in zip(args, eager_args, plain):
+        torch.testing.assert_close(a.grad.full_tensor(), p.grad, **TOL)
+        assert a.grad.placements == e.grad.placements
+    for op, n in jit_comms.get_comm_counts().items():
+        assert n <= eager_comms.get_comm_counts().get(op, 0), (op, n, eager_comms.get_comm_counts())
+    mine = (_collectives(thunder.last_traces(jitted)[-1]), _collectives(thunder.last_backward_traces(jitted)[-1]))
+    assert mine[0], "the forward gathers the uneven shard"
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    assert all(seq == mine for seq in everyone), everyone
+
+
+def _chain_plain(x, w, b):
+    return ((x * w) @ b).sum(0, keepdim=True) + x.sum()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_gpt_steady_state_runs_no_dtensor_op(sequence_parallel):
+    cfg = GPTConfig(layers=1)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = parallelize(copy.deepcopy(ref), mesh_1d(), sequence_parallel=sequence_parallel)
+    jitted = thunder.jit(model)
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (
+        torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g),
+        torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g),
+    )
+    for _ in range(2):
+        loss_fn(jitted(idx), tgt).backward()
+        model.zero_grad(set_to_none=True)
+    forward = thunder.last_traces(jitted)[-1]
+    eager_prims = [b.sym.name for b in forward.bound_symbols if b.sym.name.startswith("dtensor_")]
+    assert not eager_prims, f"not lowered: {eager_prims}\n{forward}"
+    with DTensorOps() as fwd_ops:
+        logits = jitted(idx)
+    assert fwd_ops.ops == [], fwd_ops.ops
+    loss = loss_fn(logits, tgt)
+    loss.backward()
+    ref_loss = loss_fn(ref(idx), tgt)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert_grads_match(model, ref, "gpt")

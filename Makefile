@@ -47,8 +47,8 @@ bench: setup
 	$(RUN2) benchmarks/bench.py
 
 lint: setup
-	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts
-	$(VENV)/bin/ruff format --check thunder_dtensor thunder_dtensor_autoload.py tests examples
+	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts benchmarks
+	$(VENV)/bin/ruff format --check thunder_dtensor thunder_dtensor_autoload.py tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -117,14 +117,15 @@ def test_uneven_shards_issue_collectives_in_the_same_order_on_every_rank():
     mesh = mesh_1d()
     torch.manual_seed(0)
     rows = 2 * world_size() + 1  # uneven: the last rank holds fewer rows
-    full = [torch.randn(rows, 6), torch.randn(rows, 6), torch.randn(6, 3)]
+    full = [torch.randn(rows, 6), torch.randn(rows, 6), torch.randn(6, 8)]
     placements = [[Shard(0)], [Replicate()], [Shard(1)]]
     args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, placements)]
     eager_args = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in zip(full, placements)]
     jitted = thunder.jit(_chain)
-    cotangent = torch.randn(1, 3)
+    cotangent = torch.randn(1, 8)
     # compile first (tracing runs DTensor's dispatch on fake tensors, whose collectives the mode would count)
-    jitted(*args).backward(distribute_tensor(cotangent, mesh, [Shard(1)]))
+    warm = jitted(*args)
+    warm.backward(distribute_tensor(cotangent, mesh, warm.placements))
     for a in args:
         a.grad = None
     with CommDebugMode() as jit_comms:

@@ -128,7 +128,7 @@ def collective_symbol(overload: Any) -> ti.Symbol:
     return sym
 
 
-def _unwrap(x: Any, spec: Any, contiguous: bool) -> torch.Tensor:
+def _unwrap(x: Any, spec: Any, contiguous: bool, *, placements: str = "") -> torch.Tensor:
     actual = ti.dtensor_spec(x)
     if actual is not spec and actual != spec:  # autograd handed in other placements: the value, placed as traced
         x = x.redistribute(spec.mesh, spec.placements)
@@ -136,7 +136,7 @@ def _unwrap(x: Any, spec: Any, contiguous: bool) -> torch.Tensor:
     return local.contiguous() if contiguous else local
 
 
-def _wrap(local: torch.Tensor, spec: Any) -> Any:
+def _wrap(local: torch.Tensor, spec: Any, *, placements: str = "") -> Any:
     return ti.dtensor_around(local, spec)
 
 
@@ -144,12 +144,12 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _unwrap_meta(x: DTensorProxy, spec: Any, contiguous: bool) -> ti.TensorProxy:
+def _unwrap_meta(x: DTensorProxy, spec: Any, contiguous: bool, *, placements: str = "") -> ti.TensorProxy:
     shape = ti.local_shape_on(tuple(x.shape), spec.mesh, tuple(spec.placements))
     return ti.TensorProxy(shape=shape, dtype=x.dtype, device=x.device, requires_grad=False)
 
 
-def _wrap_meta(local: ti.TensorProxy, spec: Any) -> DTensorProxy:
+def _wrap_meta(local: ti.TensorProxy, spec: Any, *, placements: str = "") -> DTensorProxy:
     return DTensorProxy(meta=DTensorMeta.from_spec(spec, tuple(local.shape)), device=local.device, requires_grad=False)
 
 
@@ -400,7 +400,8 @@ class _Lowering:
         with ti.tracectx(self.trace):
             out = ti.TensorProxy(shape=info.shape, dtype=x.dtype, device=x.device, requires_grad=False)
         # unknown strides (autograd's cotangents, eager results) are made contiguous; the spec is checked
-        self.bsyms.append(unwrap_dtensor.bind(x, info.spec, x.name not in self.guarded, output=out))
+        contiguous = x.name not in self.guarded
+        self.bsyms.append(unwrap_dtensor.bind(x, info.spec, contiguous, placements=_readable(info.spec), output=out))
         self.fake[out.name] = dataclasses.replace(info, spec=None)
         self.local[x.name] = out
         return out
@@ -421,7 +422,8 @@ class _Lowering:
     def materialize(self, x: Any) -> None:
         if isinstance(x, DTensorProxy) and x.name not in self.materialized:
             ti.check(x.name in self.local, lambda: f"lowering: {x.name} has no value")
-            self.bsyms.append(wrap_dtensor.bind(self.local[x.name], self.spec_of(x), output=x))
+            spec = self.spec_of(x)
+            self.bsyms.append(wrap_dtensor.bind(self.local[x.name], spec, placements=_readable(spec), output=x))
             self.materialized.add(x.name)
 
     def keep(self, bsym: ti.BoundSymbol, why: str | None = None) -> None:
@@ -629,6 +631,11 @@ class _Lowering:
                 self.fake[proxy.name] = self.fake[value.name]
 
 
+def _readable(spec: Any) -> str:
+    """The placements of ``spec`` as the trace prints them (the spec itself prints as an opaque name)."""
+    return ", ".join(repr(p) for p in spec.placements)
+
+
 def _with_spec(x: DTensorProxy, spec: Any) -> DTensorProxy:
     """A stand-in proxy of ``x``'s global value with another spec (for a fake run)."""
     shape = ti.local_shape_on(tuple(x.shape), spec.mesh, tuple(spec.placements))
@@ -734,6 +741,8 @@ def _is_identity_view(node: Any) -> bool:
         and before.stride() == after.stride()
         and before.storage_offset() == after.storage_offset()
         and before.dtype == after.dtype
+        and before.is_conj() == after.is_conj()  # _conj is a view that only flips a bit
+        and before.is_neg() == after.is_neg()
     )
 
 
@@ -917,13 +926,6 @@ def lower_dtensor_program(trace: ti.TraceCtx) -> ti.TraceCtx:
             continue
         saved = state.snapshot()
         try:
-            if any(
-                ti.dtypes.is_complex_dtype(p.dtype)
-                for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)
-                if _is_tensor_proxy(p)
-            ):
-                # torch.distributed's c10d API views complex tensors as real; its functional collectives do not
-                raise NotLowerable("complex tensors (their collectives run through eager DTensor)")
             if i in pairs:
                 state.lower_joint(bsym, bsyms[pairs[i]], pairs[i])
             else:

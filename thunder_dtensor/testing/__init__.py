@@ -126,10 +126,9 @@ class CaseResult:
 # ---------------------------------------------------------------------------------------------------------
 
 #: The phases in which tests built on :func:`run_case` assert that the jit does no more collectives of any kind
-#: than eager DTensor (callers pass it as ``assert_comms``). The generic grad rule recomputes forward ops,
-#: hidden collectives included, in the backward, so today the backward only reports; a backward without
-#: recomputation adds ``"backward"`` here, the one switch that turns every report into an assertion.
-COMMS_ASSERTED: tuple[str, ...] = ("forward",)
+#: than eager DTensor (callers pass it as ``assert_comms``). Both: the lowered backward comes from the joint
+#: program (no forward op, and so no hidden collective, is rerun).
+COMMS_ASSERTED: tuple[str, ...] = ("forward", "backward")
 
 #: Every comparison :func:`run_case` made in this process, for the session report (see :func:`comm_report`).
 COMM_COMPARISONS: list[CommComparison] = []

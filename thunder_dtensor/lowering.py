@@ -318,6 +318,15 @@ def _out_of_place(graph: Any) -> None:
                 current[old] = fresh
 
 
+def _tensor_for_a_number(node: Any) -> bool:
+    """make_fx may pass a 0-dim tensor (a traced ``.item()``) where the schema takes a Scalar."""
+    for argument, value in zip(node.target._schema.arguments, node.args):
+        if isinstance(value, torch.fx.Node) and not isinstance(argument.type, torch.TensorType):
+            if isinstance(value.meta.get("val"), torch.Tensor) and "Tensor" not in str(argument.type):
+                return True
+    return False
+
+
 def _check_graph(graph: Any) -> None:
     for node in graph.nodes:
         if node.op == "get_attr":
@@ -333,6 +342,8 @@ def _check_graph(graph: Any) -> None:
                 # torch.distributed's c10d API views complex tensors as real; the functional op does not
                 raise NotLowerable("a collective on a complex tensor")
             continue
+        if _tensor_for_a_number(node):
+            raise NotLowerable(f"{target} takes a traced tensor where its schema takes a number")
         if torch.Tag.nondeterministic_seeded in target.tags:
             raise NotLowerable(f"random op {target} (its generator state is eager DTensor's)")
         if target._schema.is_mutable:
@@ -926,6 +937,8 @@ def lower_dtensor_program(trace: ti.TraceCtx) -> ti.TraceCtx:
             continue
         saved = state.snapshot()
         try:
+            if any(_is_tensor_proxy(p) and 0 in tuple(p.shape) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)):
+                raise NotLowerable("an empty tensor (thunder's backward of empty values)")
             if i in pairs:
                 state.lower_joint(bsym, bsyms[pairs[i]], pairs[i])
             else:

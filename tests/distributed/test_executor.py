@@ -8,6 +8,7 @@ from thunder_dtensor.testing import make_full, mesh_1d
 
 import pytest
 import thunder
+import torch
 from thunder.extend import get_executor
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -51,6 +52,11 @@ def test_every_dtensor_bsym_runs_on_dtensor_executor(executors, lowering):
                 assert not _touches_dtensor(bsym), f"{bsym.sym.name} on {bsym.sym.executor} touches a DTensor"
             if bsym.sym.name in COLLECTIVE_SYMBOLS:
                 assert bsym.sym.executor is dtensor_comm_ex
+
+    if lowering and executors == "all":  # thunder's torch.compile executor fuses the lowered local math
+        fused = [b for b in thunder.last_traces(jfn)[-1].bound_symbols if b.sym.name.startswith("TorchCompile")]
+        assert fused and any(s.sym.name.startswith("aten_") for b in fused for s in b.subsymbols)
+        torch.testing.assert_close(out.full_tensor(), fn(*(t.full_tensor() for t in (x, w, b))))
 
     # no other executor claims a dtensor prim or a collective
     for ex in _available_executors():

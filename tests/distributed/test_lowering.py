@@ -154,7 +154,8 @@ def _chain_plain(x, w, b):
     return ((x * w) @ b).sum(0, keepdim=True) + x.sum()
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+# sequence parallel: its plan has every hook kind of the TP plan plus the sequence-dim redistributions (suite time)
+@pytest.mark.parametrize("sequence_parallel", [True], ids=["sp"])
 def test_gpt_steady_state_runs_no_dtensor_op(sequence_parallel):
     cfg = GPTConfig(layers=1)
     torch.manual_seed(0)
@@ -181,28 +182,3 @@ def test_gpt_steady_state_runs_no_dtensor_op(sequence_parallel):
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
     assert_grads_match(model, ref, "gpt")
-
-
-def test_torch_compile_executor_fuses_the_local_ops_and_leaves_collectives_alone():
-    """thunder's torch.compile executor, when the user lists it, claims lowered local math; never a collective."""
-    from thunder_dtensor.lowering import COLLECTIVE_SYMBOLS, dtensor_comm_ex
-
-    from thunder.executors.torch_compile import torch_compile_ex
-
-    ref = _mlp()
-    model = _tp_mlp(ref)
-    jitted = thunder.jit(model, executors=[torch_compile_ex, *thunder.get_default_executors()])
-    x = torch.randn(4, 16, requires_grad=True)
-    out = jitted(x)
-    out.sum().backward()
-    forward = thunder.last_traces(jitted)[-1]
-    fused = [b for b in forward.bound_symbols if b.sym.name.startswith("TorchCompile")]
-    assert fused and any(s.sym.name.startswith("aten_") for b in fused for s in b.subsymbols), str(forward)
-    for trace in (forward, thunder.last_backward_traces(jitted)[-1]):
-        for bsym in trace.bound_symbols:
-            if bsym.sym.name in COLLECTIVE_SYMBOLS:
-                assert bsym.sym.executor is dtensor_comm_ex
-    expected = ref(x.detach())
-    expected.sum().backward()
-    torch.testing.assert_close(out, expected, **TOL)
-    assert_grads_match(model, ref, "tp mlp, torch.compile executor")

@@ -334,16 +334,23 @@ PRIORITY = [
 ]
 
 
+def _model_and_tokens(model_cls: type, cfg: Any, batch: int, *, seed: int) -> tuple:
+    """The full model (the same weights on every rank), input tokens and target tokens for a language model."""
+    dev = device_type()
+    torch.manual_seed(0)
+    full = model_cls(cfg).to(dev)
+    g = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g).to(dev)
+    targets = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g).to(dev)
+    return full, inputs, targets
+
+
 def gpt_workload(size: str) -> Workload:
     cfg, batch = GPT_SIZES[size]
     # eager DTensor has no fused-SDPA strategy on a CPU mesh: attention as matmul + softmax there
     cfg = GPTConfig(**{**cfg.__dict__, "unfused_attention": device_type() == "cpu"})
-    mesh, dev = mesh_1d(), device_type()
-    torch.manual_seed(0)
-    full = GPT(cfg).to(dev)
-    g = torch.Generator().manual_seed(2)
-    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g).to(dev)
-    tgt = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g).to(dev)
+    mesh = mesh_1d()
+    full, idx, tgt = _model_and_tokens(GPT, cfg, batch, seed=2)
     desc = f"GPT SP, dim {cfg.dim}, seq {cfg.seq}, heads {cfg.heads}, layers {cfg.layers}, batch {batch}"
     if cfg.unfused_attention:
         desc += ", unfused attention"
@@ -354,12 +361,8 @@ def gpt_workload(size: str) -> Workload:
 
 def llama_workload(size: str) -> Workload:
     cfg, batch = LLAMA_SIZES[size]
-    mesh, dev = mesh_1d(), device_type()
-    torch.manual_seed(0)
-    full = Llama(cfg).to(dev)
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g).to(dev)
-    labels = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g).to(dev)
+    mesh = mesh_1d()
+    full, tokens, labels = _model_and_tokens(Llama, cfg, batch, seed=3)
     desc = (
         f"Llama apply_tp, dim {cfg.dim}, seq {cfg.seq}, heads {cfg.heads}/{cfg.kv_heads}, "
         f"ffn {cfg.ffn_hidden}, layers {cfg.layers}, batch {batch}"

@@ -40,11 +40,13 @@ op-coverage: setup
 tp-demo: setup
 	$(RUN2) examples/tp_transformer.py
 
-# step time and first-call time, eager DTensor vs torch.compile vs thunder (at most 10 minutes on 2 cores):
-# writes benchmarks/results/results.{json,md,png}; see benchmarks/README.md
+# step time (interleaved rounds in one process) and first-call time (a fresh process per variant), eager DTensor
+# vs torch.compile vs thunder (about 10 minutes on 2 cores): writes benchmarks/results/results.{json,md,png} and
+# first_call.{json,md}; see benchmarks/README.md
 bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
-	$(RUN2) benchmarks/bench.py
+	$(PY) benchmarks/first_call.py
+	$(RUN2) benchmarks/bench.py --time-limit-s 420
 
 lint: setup
 	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts benchmarks

@@ -42,15 +42,21 @@ if DISTRIBUTED_AVAILABLE:
     _integration.make_isinstance_see_dtensor_proxies(DTensorProxy)
     _integration.make_placements_opaque()
     _integration.read_root_module_state_from_user_module()
+    _integration.dispatch_module_calls_outside_the_interpreter()  # first-call time: hook loops run in Python
+    _integration.call_partials_outside_the_interpreter()  # and the partials every TP hook calls
+
+    from thunder_dtensor import tp_hooks
+
+    tp_hooks.install()  # parallelize_module's hooks run whole, as lookasides
 
     from thunder_dtensor import consistency
 
     # every rank compiled the same DTensor ops (opt-in: THUNDER_DTENSOR_CHECK_COLLECTIVES=1)
     _integration.install_compiled_program_hook(consistency.check_compiled_program)
 
-    from thunder_dtensor.thunderfx import dtensor_node_support
+    from thunder_dtensor.thunderfx import dtensor_node_support, plain_node_support
 
-    _integration.install_thunderfx_support(dtensor_node_support)
+    _integration.install_thunderfx_support(dtensor_node_support, plain_node_support)
 
     from thunder_dtensor import autocast
 

@@ -19,7 +19,7 @@ What is patched, and why:
   (``make_isinstance_see_dtensor_proxies``), so tensor-parallel hooks take their DTensor branches.
 * New torch functions / Tensor methods are added to thunder's map, method table and interpreter lookasides
   (``register_torch_function``, ``register_method``).
-* Placement constructors are called whole by the interpreter (``make_placements_opaque``).
+* Placement constructors and device mesh queries are called whole by the interpreter (``make_placements_opaque``).
 * The prologue reads the hook dicts (``_forward_hooks`` & co.) of the module passed to ``thunder.jit`` from
   that module, not from its ``ThunderModule`` wrapper, whose own are empty: tensor-parallel styles on the
   root module otherwise fail with ``KeyError`` (``read_root_module_state_from_user_module``).
@@ -594,15 +594,20 @@ def torchsymbol(name: str) -> Callable[[Callable], Symbol]:
 
 
 def make_placements_opaque() -> None:
-    """Let jitted code build placements (``Shard(1)``, ``Replicate()``): the interpreter calls them whole.
+    """Let jitted code build placements (``Shard(1)``, ``Replicate()``) and ask a device mesh about itself: the
+    interpreter calls these whole.
 
     Placements are Python subclasses of pybind11 classes; stepping into their construction aborts the
-    process. Dynamo graphs handed over by thunderfx spell every placement as such a call.
+    process. Dynamo graphs handed over by thunderfx spell every placement as such a call. A mesh's queries
+    (``mesh.size(0)``, ``mesh.get_group()``, ...) read fixed process-group state: stepping through their
+    Python code costs first-call time and changes nothing in the program.
     """
     from thunder.core import jit_ext
 
-    for placement_type in (Shard, Replicate, Partial):
-        jit_ext._general_jit_lookaside_map[placement_type] = jit_ext.interpreter_needs_wrap(placement_type)
+    mesh_queries = ("size", "get_group", "get_local_rank", "get_coordinate", "get_rank", "get_all_groups")
+    opaque = [Shard, Replicate, Partial, *(getattr(DeviceMesh, name) for name in mesh_queries)]
+    for fn in opaque:
+        jit_ext._general_jit_lookaside_map[fn] = jit_ext.interpreter_needs_wrap(fn)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -650,12 +655,15 @@ def trace_on_proxies(fn: Callable, make_inputs: Callable[[], tuple[tuple, dict]]
     run()
 
 
-def install_thunderfx_support(dtensor_node_support: Callable) -> None:
+def install_thunderfx_support(dtensor_node_support: Callable, plain_node_support: Callable) -> None:
     """Make thunderfx's splitter hand graphs with DTensors to thunder.jit whole.
 
     * ``dtensor_node_support(node)`` decides for every node that touches a DTensor or a device mesh
       (``None`` leaves the node to thunder): thunder's own check crashes on the mesh's ``FakeScriptObject``
       and looks methods like ``redistribute`` up on ``torch.Tensor`` only.
+    * ``plain_node_support(node, thunder_options, thunder_check)`` answers for every other node, by asking
+      ``thunder_check`` (thunder's own check, which traces the node's symbol and its gradient: ~0.1 s a node)
+      or a cached answer for the same call signature.
     * ``translate_dtensor_ops`` is turned off: it rewrites older dynamo graphs to thunder's experimental
       DTensor prims, which this package removes. torch >= 2.13 graphs call ``DTensor.from_local``,
       ``.redistribute`` and ``.to_local`` directly, and the dispatch table covers those.
@@ -673,7 +681,7 @@ def install_thunderfx_support(dtensor_node_support: Callable) -> None:
     def is_node_supported_by_thunder(node: torch.fx.Node, thunder_options: dict) -> tuple[bool, Any]:
         decision = dtensor_node_support(node)
         if decision is None:
-            return thunder_node_support(node, thunder_options)
+            return plain_node_support(node, thunder_options, thunder_node_support)
         supported, reason = decision
         if supported:
             return True, None
@@ -1467,3 +1475,183 @@ def install_lowering(
 
     transform_for_execution._thunder_dtensor_lowering = True  # type: ignore[attr-defined]
     thunder.transform_for_execution = transform_for_execution
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Module calls (torch 2.13 ``nn.Module._call_impl`` layout, thunder 0.2.6 interpreter): first-call time
+# ---------------------------------------------------------------------------------------------------------
+def _module_hook_state_is_plain(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs only forward pre-hooks and forward hooks without kwargs, none always-called,
+    no backward hooks, no global hooks, no ``torch.jit`` tracing and no ``module.compile()``: the calls
+    :func:`dispatch_module_calls_outside_the_interpreter` makes itself. Anything else is interpreted as before."""
+    from torch.nn.modules import module as module_mod
+
+    return (
+        not torch._C._get_tracing_state()
+        and module._compiled_call_impl is None
+        and type(module)._call_impl is torch.nn.Module._call_impl
+        and not (module._backward_hooks or module._backward_pre_hooks)
+        and not (module._forward_pre_hooks_with_kwargs or module._forward_hooks_with_kwargs)
+        and not module._forward_hooks_always_called
+        and not (module_mod._global_backward_pre_hooks or module_mod._global_backward_hooks)
+        and not (module_mod._global_forward_pre_hooks or module_mod._global_forward_hooks)
+    )
+
+
+def dispatch_module_calls_outside_the_interpreter() -> None:
+    """``module(*args)`` under ``thunder.jit``: the hook loop runs in Python; hooks and ``forward`` are interpreted.
+
+    thunder interprets ``nn.Module._wrapped_call_impl`` / ``_call_impl`` bytecode by bytecode for every module
+    call. With hooks (every tensor-parallel module has two) that is the slow path's closure, dict unpacking and
+    loops: most of a TP model's first-call time. This lookaside does what that code does for the common case
+    (:func:`_module_hook_state_is_plain`): each forward pre-hook ``hook(module, args)`` (a non-None result
+    replaces ``args``, a non-tuple one as ``(result,)``), ``module.forward(*args, **kwargs)``, each forward hook
+    ``hook(module, args, output)`` (a non-None result replaces the output). The hooks and ``forward`` are read
+    through the interpreter, from the module's hook dicts by hook id, so the prologue still checks what they read
+    (e.g. a tensor-parallel hook's ``use_local_output``). Other cases interpret a copy of torch's function.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    call_impl = torch.nn.Module._wrapped_call_impl
+    if call_impl in lookasides:
+        return
+    interpreted_call_impl = _interpretable_copy(call_impl)
+    wrap_const, unwrap = interpreter.wrap_const, interpreter.unwrap
+    raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+
+    def read(obj: Any, name: str) -> Any:
+        return interpreter._interpret_call(getattr, obj, wrap_const(name))
+
+    def hook_by_id(hooks: Any, hook_id: int) -> Any:
+        return interpreter._interpret_call(lambda d, k: d[k], hooks, wrap_const(hook_id))
+
+    def call_star(fn: Any, args: Any, kwargs: Any) -> Any:
+        return interpreter._interpret_call(lambda f, a, k: f(*a, **k), fn, args, kwargs)
+
+    def module_call(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _module_hook_state_is_plain(unwrap(module)):
+            return interpreter._interpret_call(interpreted_call_impl, module, *args, **kwargs)
+        forward = read(module, "forward")
+        if forward is raised:
+            return forward
+        user_module = unwrap(module)
+        if not (user_module._forward_pre_hooks or user_module._forward_hooks):
+            return interpreter._interpret_call(forward, *args, **kwargs)
+        wrapped_args = interpreter.wrap_args(args)
+        wrapped_kwargs = interpreter.wrap_kwargs(kwargs)
+        if user_module._forward_pre_hooks:
+            hooks = read(module, "_forward_pre_hooks")
+            for hook_id in list(unwrap(hooks)):
+                result = interpreter._interpret_call(hook_by_id(hooks, hook_id), module, wrapped_args)
+                if result is raised:
+                    return result
+                if unwrap(result) is not None:
+                    if not isinstance(unwrap(result), tuple):
+                        result = interpreter.wrap_args((result,))
+                    wrapped_args = result
+        output = call_star(forward, wrapped_args, wrapped_kwargs)
+        if output is raised or not user_module._forward_hooks:
+            return output
+        hooks = read(module, "_forward_hooks")
+        for hook_id in list(unwrap(hooks)):
+            result = interpreter._interpret_call(hook_by_id(hooks, hook_id), module, wrapped_args, output)
+            if result is raised:
+                return result
+            if unwrap(result) is not None:
+                output = result
+        return output
+
+    lookasides[call_impl] = module_call
+
+
+def tensor_parallel_style_functions() -> dict[str, Callable]:
+    """torch's tensor-parallel style functions that its module hooks call, by ``Class.function`` (torch 2.13)."""
+    from torch.distributed.tensor.parallel import style
+
+    names = {
+        "ColwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),
+        "RowwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),
+        "SequenceParallel": ("_prepare_input_fn", "_prepare_output_fn"),
+        "PrepareModuleInput": ("_prepare_input_fn", "_prepare_input_arg"),
+        "PrepareModuleOutput": ("_prepare_out_fn",),
+    }
+    # staticmethods come out of the class dict as plain functions; methods are plain functions there already
+    return {f"{cls}.{fn}": getattr(getattr(style, cls), fn) for cls, fns in names.items() for fn in fns}
+
+
+def _interpretable_copy(fn: types.FunctionType) -> types.FunctionType:
+    """The same function under another identity: interpreting it interprets ``fn``'s code, which a lookaside on
+    ``fn`` itself would prevent."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def register_lookaside(
+    fn: Callable,
+    lookaside: Callable,
+    *,
+    applies: Callable[..., bool] | None = None,
+    self_attributes: tuple[str, ...] = (),
+) -> None:
+    """Calls of ``fn`` in jitted code run ``lookaside`` whole, on unwrapped values (proxies), instead.
+
+    ``applies`` (given the same unwrapped arguments) can decline a call: ``fn``'s own code is interpreted then.
+    ``self_attributes``: ``fn`` is a method whose object can change between calls (a style object a user
+    edits); the lookaside gets, in place of that object, a namespace of these attributes read through the
+    interpreter, so the prologue checks them as it would had ``fn`` been interpreted.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    wrapped = jit_ext.interpreter_needs_wrap(lookaside)
+    interpreted = _interpretable_copy(fn)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if applies is not None:
+            unwrapped = {k: interpreter.unwrap(v) for k, v in kwargs.items()}
+            if not applies(*(interpreter.unwrap(a) for a in args), **unwrapped):
+                return interpreter._interpret_call(interpreted, *args, **kwargs)
+        if self_attributes:
+            attributes = {}
+            for name in self_attributes:
+                value = interpreter._interpret_call(getattr, args[0], interpreter.wrap_const(name))
+                if value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
+                    return value
+                attributes[name] = interpreter.unwrap(value)
+            args = (interpreter.wrap_const(types.SimpleNamespace(**attributes)), *args[1:])
+        return wrapped(*args, **kwargs)
+
+    jit_ext._general_jit_lookaside_map[fn] = wrapped if applies is None and not self_attributes else run
+
+
+def call_partials_outside_the_interpreter() -> None:
+    """``functools.partial`` objects are called without interpreting thunder's own helper for them.
+
+    thunder 0.2.6 calls a partial by interpreting ``p.func(*p.args, *args, **(p.keywords | kwargs))``: list
+    building, unpacking and a dict merge, each stepped through by the interpreter (hundreds of instructions a
+    call). Every hook ``parallelize_module`` installs calls a partial. This reads ``func`` and ``args`` through
+    the interpreter (so the prologue checks the bound arguments as before) and makes the call directly; a
+    partial with keywords goes the old way.
+    """
+    import functools
+
+    from thunder.core import interpreter
+
+    lookasides = interpreter._default_lookaside_map
+    thunder_partial_call = lookasides[functools.partial.__call__]
+    if getattr(thunder_partial_call, "_thunder_dtensor", False):
+        return
+
+    def partial_call(partial: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(interpreter.unwrap(partial)) is not functools.partial or interpreter.unwrap(partial).keywords:
+            return thunder_partial_call(partial, *args, **kwargs)
+        func = interpreter._interpret_call(getattr, partial, interpreter.wrap_const("func"))
+        bound = interpreter._interpret_call(getattr, partial, interpreter.wrap_const("args"))
+        if interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED in (func, bound):
+            return interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+        interpreter.populate_item_wrappers(bound)
+        return interpreter._interpret_call(func, *bound.item_wrappers, *args, **kwargs)
+
+    partial_call._thunder_dtensor = True  # type: ignore[attr-defined]
+    lookasides[functools.partial.__call__] = partial_call

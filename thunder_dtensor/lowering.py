@@ -37,6 +37,7 @@ from thunder_dtensor.primitive import (
     to_torch_value,
 )
 from thunder_dtensor.proxy import DTensorProxy
+from thunder_dtensor.signature import SignatureCache, Uncacheable, ambient_state, describe_value
 from thunder_dtensor.spec import DTensorMeta, contiguous_stride
 
 import torch
@@ -186,19 +187,6 @@ class _Input:
     device: torch.device
 
 
-def _describe_key(x: Any) -> Any:
-    """A hashable, exact description of a non-tensor argument (for the graph cache)."""
-    if ti.DISTRIBUTED_AVAILABLE and isinstance(x, ti.DeviceMesh):
-        return ("mesh", x.device_type, tuple(x.mesh.flatten().tolist()), tuple(x.mesh.shape), x.mesh_dim_names)
-    if isinstance(x, (tuple, list)):
-        return (type(x).__name__, tuple(_describe_key(v) for v in x))
-    if isinstance(x, dict):
-        return ("dict", tuple((k, _describe_key(v)) for k, v in x.items()))
-    if isinstance(x, torch.Tensor):
-        raise NotLowerable("a tensor constant among the arguments")
-    return (type(x).__qualname__, repr(x))
-
-
 def _fake_local(inp: _Input) -> torch.Tensor:
     # make_fx (tracing_mode="fake") turns these into fake tensors of the same shape and strides
     return torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=inp.device)
@@ -225,13 +213,25 @@ class _Traced:
     specs: list  # output specs (None for plain tensors and undefined gradients)
 
 
-_GRAPH_CACHE: dict[Any, _Traced] = {}
+#: traced graphs (or why an op cannot be lowered) by op and call signature: repeated layers trace once
+GRAPH_CACHE = SignatureCache("lowering")
 
 
 def _trace(key: Any, fn: Callable, inputs: list[_Input]) -> _Traced:
-    cached = _GRAPH_CACHE.get(key)
-    if cached is not None:
-        return cached
+    result = GRAPH_CACHE.get_or_compute(key, lambda: _trace_or_reason(fn, inputs))
+    if isinstance(result, NotLowerable):
+        raise NotLowerable(*result.args)
+    return result
+
+
+def _trace_or_reason(fn: Callable, inputs: list[_Input]) -> _Traced | NotLowerable:
+    try:
+        return _trace_uncached(fn, inputs)
+    except NotLowerable as e:
+        return e
+
+
+def _trace_uncached(fn: Callable, inputs: list[_Input]) -> _Traced:
     specs: list = []
     n_forward: list[int] = []
 
@@ -253,7 +253,6 @@ def _trace(key: Any, fn: Callable, inputs: list[_Input]) -> _Traced:
         raise NotLowerable(f"DTensor's dispatch could not be traced ({type(e).__name__}: {str(e)[:120]})") from e
     result = _Traced(gm.graph, n_forward[0], specs)
     _check_graph(result.graph)
-    _GRAPH_CACHE[key] = result
     return result
 
 
@@ -516,7 +515,7 @@ class _Lowering:
             locals_out, specs = _unwrapped_outputs(outs)
             return locals_out, specs, len(locals_out)
 
-        traced = _trace(_key("fwd", bsym.sym.name, flat, infos), forward, [i for _, i in infos])
+        traced = _trace(_key("fwd", bsym.sym.name, flat, tree, infos), forward, [i for _, i in infos])
         outputs = [o for o in ti.tree_flatten(bsym.output)[0] if _is_tensor_proxy(o)]
         _check_outputs(outputs, traced.specs[: traced.n_forward], bsym.sym.name)
         proxies, _, _ = self._inputs(flat)
@@ -553,7 +552,7 @@ class _Lowering:
         assumed = [_assumed_cotangent_info(outputs[i], cotangents[i]) for i in cot_positions]
         joint = _joint_function(RUNTIME_FNS[name], flat, tree, infos, cot_positions, assumed, diff_indices)
         first = _trace(
-            _key("joint", name, flat, [i for _, i in infos], (tuple(assumed), diff_indices)),
+            _key("joint", name, flat, tree, infos, (tuple(assumed), diff_indices)),
             joint,
             [i for _, i in infos] + assumed,
         )
@@ -573,7 +572,7 @@ class _Lowering:
             traced, graph_env, fwd_nodes = first, env, forward_nodes
             if actual != assumed:
                 again = _joint_function(RUNTIME_FNS[name], flat, tree, infos, cot_positions, actual, diff_indices)
-                key = _key("joint", name, flat, [i for _, i in infos], (tuple(actual), diff_indices))
+                key = _key("joint", name, flat, tree, infos, (tuple(actual), diff_indices))
                 traced = _trace(key, again, [i for _, i in infos] + actual)
                 matched = _match_forward(first, traced, env)
                 if matched is None:  # the forward traced differently: emit it again (a recomputation)
@@ -725,10 +724,23 @@ def _match_forward(first: _Traced, again: _Traced, env: dict) -> dict | None:
     return {new: env[old] for new, old in to_old.items() if old in env}
 
 
-def _key(kind: str, name: str, flat: list, infos: list[_Input], extra: Any = ()) -> Any:
-    """The graph cache key: op, every input's local metadata and spec, every non-tensor argument."""
-    others = tuple(_describe_key(to_torch_value(x)) for x in flat if not _is_tensor_proxy(x))
-    return (kind, name, tuple(infos), others, extra)
+def _key(kind: str, name: str, flat: list, tree: Any, infos: list[tuple[int, _Input]], extra: Any = ()) -> Any:
+    """The graph cache key: op, the call's structure and, in order, every tensor argument's local metadata and
+    spec and every other argument's value (None: not cacheable)."""
+    by_position = dict(infos)
+    leaves = []
+    for i, x in enumerate(flat):
+        if i in by_position:
+            leaves.append(by_position[i])
+            continue
+        value = to_torch_value(x)
+        if isinstance(value, torch.Tensor):
+            raise NotLowerable("a tensor constant among the arguments")
+        try:
+            leaves.append(describe_value(value))
+        except Uncacheable:
+            return None
+    return (kind, name, str(tree), tuple(leaves), extra, ambient_state())
 
 
 _IDENTITY_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}

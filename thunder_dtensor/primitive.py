@@ -16,6 +16,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError, structural_hint
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy, proxy_for_value
+from thunder_dtensor.signature import SignatureCache, Uncacheable, ambient_state, describe_value
 
 import torch
 
@@ -151,11 +152,43 @@ def suggest_fix(torch_fn: Callable, args: tuple, kwargs: dict) -> str | None:
     )
 
 
-def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """Run ``torch_fn`` on fake DTensors shaped like the proxies; return proxies for its outputs."""
-    flat, _ = ti.tree_flatten((args, kwargs))
-    requires_grad = any(isinstance(a, ti.TensorProxy) and a.requires_grad for a in flat)
+#: sharding propagation's results (fake outputs) by prim and call signature: repeated layers propagate once
+PROPAGATION_CACHE = SignatureCache("sharding propagation")
 
+
+def _describe_proxy(x: Any) -> tuple:
+    """What a fake stand-in of ``x`` is made of (:func:`_stand_in`): spec, local shape, dtype, device."""
+    if isinstance(x, DTensorProxy):
+        return ("dtensor", x.meta.spec, tuple(x.local_shape), x.meta.dtype, x.device)
+    return ("tensor", tuple(x.shape), x.dtype, x.device)
+
+
+def _propagation_key(op_name: str, flat: list, tree: Any) -> Any:
+    """The exact signature of a fake run (None: not cacheable)."""
+    try:
+        leaves = tuple(
+            _describe_proxy(x) if isinstance(x, ti.TensorProxy) else describe_value(to_torch_value(x)) for x in flat
+        )
+    except Uncacheable:
+        return None
+    return (op_name, str(tree), leaves, ambient_state())
+
+
+def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run ``torch_fn`` on fake DTensors shaped like the proxies; return proxies for its outputs.
+
+    The fake outputs are cached by call signature (:data:`PROPAGATION_CACHE`); each call gets fresh proxies.
+    """
+    flat, tree = ti.tree_flatten((args, kwargs))
+    requires_grad = any(isinstance(a, ti.TensorProxy) and a.requires_grad for a in flat)
+    key = _propagation_key(op_name, flat, tree)
+    out = PROPAGATION_CACHE.get_or_compute(key, lambda: _fake_outputs(op_name, torch_fn, args, kwargs))
+    input_meshes = [a.device_mesh for a in flat if isinstance(a, DTensorProxy)]
+    input_meshes += [a for a in flat if ti.DISTRIBUTED_AVAILABLE and isinstance(a, ti.DeviceMesh)]
+    return ti.tree_map(lambda o: _to_proxy(o, requires_grad, input_meshes), out)
+
+
+def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
     def rejected(e: Exception) -> DTensorOpError:
         # DTensor's own rejection, reported with our context and a hint that fits its cause
         hint = None if structural_hint(args, kwargs) else suggest_fix(torch_fn, args, kwargs)
@@ -177,9 +210,7 @@ def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kw
         raise rejected(e) from e
     if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
         out = tuple(out)
-    input_meshes = [a.device_mesh for a in flat if isinstance(a, DTensorProxy)]
-    input_meshes += [a for a in flat if ti.DISTRIBUTED_AVAILABLE and isinstance(a, ti.DeviceMesh)]
-    return ti.tree_map(lambda o: _to_proxy(o, requires_grad, input_meshes), out)
+    return out
 
 
 def _always(*args: Any, **kwargs: Any) -> bool:

@@ -23,10 +23,11 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.proxy import proxy_for_value
 from thunder_dtensor.sdpa_backends import is_sdpa_kernel_node
+from thunder_dtensor.signature import SignatureCache, Uncacheable, ambient_state, describe_value
 
 import torch
 
-__all__ = ["dtensor_node_support"]
+__all__ = ["dtensor_node_support", "plain_node_support"]
 
 
 def _touches_dtensor(node: torch.fx.Node) -> bool:
@@ -103,3 +104,48 @@ def dtensor_node_support(node: torch.fx.Node) -> tuple[bool, str | None] | None:
     except Exception as e:  # the reason thunderfx records for the split
         return False, f"node {node.name} ({node.target}) on DTensors failed under thunder_dtensor: {e}"
     return True, None
+
+
+#: thunder's answer for nodes without DTensors, by call signature: a repeated layer's nodes are checked once
+PLAIN_NODE_CACHE = SignatureCache("thunderfx node support")
+
+
+def _describe_node_argument(a: Any) -> Any:
+    """What thunder's check of a node sees of an argument: example values' metadata, other values as they are."""
+    if isinstance(a, torch.fx.Node):
+        leaves, tree = ti.torch_tree_flatten(a.meta.get("example_value"))
+        return ("node", str(tree), tuple(_describe_example(v) for v in leaves))
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_describe_node_argument(v) for v in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _describe_node_argument(v)) for k, v in a.items()))
+    return describe_value(a)
+
+
+def _describe_example(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        shape, stride = tuple(v.shape), tuple(v.stride())
+        if not all(type(n) is int for n in (*shape, *stride)):
+            raise Uncacheable("a symbolic shape")
+        return ("tensor", shape, stride, v.dtype, v.device, v.requires_grad)
+    return describe_value(v)
+
+
+def _plain_node_key(node: torch.fx.Node, thunder_options: dict) -> Any:
+    try:
+        target = node.target
+        hash(target)
+        args = (_describe_node_argument(list(node.args)), _describe_node_argument(dict(node.kwargs)))
+        options = describe_value(thunder_options.get("disable_torch_autograd"))
+    except Uncacheable:
+        return None
+    except TypeError:  # an unhashable target
+        return None
+    return (node.op, target, args, options, ambient_state())
+
+
+def plain_node_support(node: torch.fx.Node, thunder_options: dict, thunder_check: Callable) -> Any:
+    """thunder's own answer for a node without DTensors, cached by the node's call signature (only a yes: a
+    no's reason names its node)."""
+    key = _plain_node_key(node, thunder_options)
+    return PLAIN_NODE_CACHE.get_or_compute(key, lambda: thunder_check(node, thunder_options), keep=lambda d: d[0])

@@ -1,0 +1,174 @@
+"""First-call work: the interpreter stays out of code the package knows; trace-time work is done per signature.
+
+What is asserted: under ``thunder.jit`` the interpreter never steps into ``nn.Module``'s call machinery, the
+tensor-parallel style functions or ``DTensor.from_local`` / ``to_local`` / ``redistribute`` (its log, recorded
+with ``record_interpreter_history``); values and gradients still equal eager DTensor's, also for a
+``PrepareModuleInput`` subclass that overrides a step (its own code is interpreted). Sharding propagation
+and lowering results are cached by call signature: a model with three identical layers works out exactly as
+many distinct calls as the same model with two, and a different spec or local shape misses the cache and gets
+its own (correct) result.
+"""
+
+import copy
+
+from thunder_dtensor.lowering import GRAPH_CACHE
+from thunder_dtensor.primitive import PROPAGATION_CACHE
+from thunder_dtensor.testing import mesh_1d, world_size
+from thunder_dtensor.testing.training import PARITY_TOL as TOL
+from thunder_dtensor.testing.training import assert_grads_match
+
+import pytest
+import thunder
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+def _layers(n: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(n)))
+
+
+def _sp_plan(n: int, input_style: type = PrepareModuleInput) -> dict:
+    """Sequence parallel: every style function with a lookaside is on the path."""
+    plan = {}
+    for i in range(n):
+        plan |= {
+            f"{i}.norm": SequenceParallel(),
+            f"{i}.fc1": ColwiseParallel(input_layouts=Shard(1)),
+            f"{i}.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        }
+    plan[f"{n - 1}"] = PrepareModuleOutput(
+        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+    )
+    plan["0"] = input_style(input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
+def _record_history() -> dict:
+    return {"debug_options": thunder.DebugOptions(record_interpreter_history=True)}
+
+
+def _interpreted_functions(jitted) -> set[str]:
+    """Functions whose lines the interpreter stepped through (a call answered by a lookaside has none)."""
+    log = thunder.last_interpreter_log(jitted)
+    return {item["fn"] for item in log if isinstance(item, dict) and item.get("kind") == "Line"}
+
+
+def _train_step_matches_eager(ref: nn.Module, plan: dict, **jit_kwargs) -> set[str]:
+    """One step under thunder.jit against eager DTensor (loss, gradients, placements); the interpreted functions."""
+    mesh = mesh_1d()
+    eager = parallelize_module(copy.deepcopy(ref), mesh, plan)
+    jitted_model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+    jitted = thunder.jit(jitted_model, **jit_kwargs)
+    x = torch.randn(2, 4 * world_size(), 16, generator=torch.Generator().manual_seed(1))
+    expected, actual = eager(x), jitted(x)
+    torch.testing.assert_close(actual, expected, **TOL)
+    expected.pow(2).mean().backward()
+    actual.pow(2).mean().backward()
+    assert_grads_match(jitted_model, eager, "jit vs eager DTensor", **TOL)
+    for p, q in zip(jitted_model.parameters(), eager.parameters()):
+        assert tuple(p.grad.placements) == tuple(q.grad.placements)
+    return _interpreted_functions(jitted) if "debug_options" in jit_kwargs else set()
+
+
+def test_interpreter_does_not_step_into_module_calls_tp_hooks_or_dtensor_boundary():
+    interpreted = _train_step_matches_eager(_layers(2), _sp_plan(2), **_record_history())
+    assert "Block.forward" in interpreted  # the user's code is interpreted
+    # the hooks' one-line lambdas are interpreted: through their closures the prologue reads the style's state
+    stepped_into = sorted(
+        name
+        for name in interpreted
+        if name.split(".")[-1] in ("_call_impl", "_wrapped_call_impl", "from_local", "to_local", "redistribute")
+        or name.split(".")[0]
+        in ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput")
+        and not name.endswith("<lambda>")
+    )
+    assert not stepped_into, f"the interpreter stepped into {stepped_into}"
+
+
+class _ScaledInput(PrepareModuleInput):
+    """A user's style that overrides one step: the lookaside declines, torch's code (and this) is interpreted."""
+
+    def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):  # noqa: A002
+        return super()._prepare_input_arg(input, mesh, input_layout, desired_layout) * 2.0
+
+
+def test_overridden_style_step_is_interpreted_and_matches_eager():
+    interpreted = _train_step_matches_eager(_layers(1), _sp_plan(1, _ScaledInput), **_record_history())
+    assert "_ScaledInput._prepare_input_arg" in interpreted
+    assert "PrepareModuleInput._prepare_input_fn" in interpreted
+
+
+def test_identical_layers_are_propagated_and_lowered_once():
+    # the first layer (its input comes from the plan's input style) and the last (the output style) differ from
+    # the others: a third layer adds nothing new to work out
+    misses = {}
+    for n in (2, 3):
+        PROPAGATION_CACHE.clear()
+        GRAPH_CACHE.clear()
+        _train_step_matches_eager(_layers(n), _sp_plan(n))
+        misses[n] = (PROPAGATION_CACHE.misses, GRAPH_CACHE.misses)
+        assert PROPAGATION_CACHE.hits > 0 and GRAPH_CACHE.hits > 0
+    assert misses[3] == misses[2], f"(propagation, lowering) misses for 2 layers and 3 layers: {misses}"
+
+
+def test_cache_is_exact_a_different_spec_or_local_shape_misses():
+    mesh = mesh_1d()
+    full = torch.randn(4 * world_size(), 2 * world_size(), generator=torch.Generator().manual_seed(2))
+
+    def run(placements, t=full):
+        x = distribute_tensor(t, mesh, placements)
+        before = (PROPAGATION_CACHE.misses, GRAPH_CACHE.misses)
+        out = thunder.jit(lambda a: (a * 3).sum(0))(x)  # a new jit each time: only the caches are shared
+        after = (PROPAGATION_CACHE.misses, GRAPH_CACHE.misses)
+        expected = (x * 3).sum(0)  # eager DTensor
+        assert isinstance(out, DTensor) and out.placements == expected.placements
+        torch.testing.assert_close(out.full_tensor(), (t * 3).sum(0))
+        return out, (after[0] - before[0], after[1] - before[1])
+
+    run([Shard(0)])
+    out, new_misses = run([Shard(0)])
+    assert new_misses == (0, 0), f"the same signature worked out again: {new_misses}"
+    out1, new_misses = run([Shard(1)])
+    assert new_misses[0] > 0 and new_misses[1] > 0, "a different spec hit the cache"
+    assert out.placements != out1.placements  # Partial(sum) vs Shard(0): not the cached answer
+    uneven = torch.randn(4 * world_size() + 1, 2 * world_size(), generator=torch.Generator().manual_seed(3))
+    _, new_misses = run([Shard(0)], uneven)
+    assert new_misses[0] > 0 and new_misses[1] > 0, "a different local shape hit the cache"
+
+
+@pytest.mark.world_size(2)
+def test_signature_descriptions_are_exact():
+    from thunder_dtensor.signature import SignatureCache, Uncacheable, describe_value
+
+    assert len({describe_value(v) for v in (1, 1.0, True, "1", (1,), [1], None)}) == 7
+    assert describe_value(Shard(0)) != describe_value(Shard(1))
+    assert describe_value(mesh_1d()) == describe_value(mesh_1d())
+    with pytest.raises(Uncacheable):
+        describe_value(object())
+    cache = SignatureCache("test", maxsize=2)
+    for key in "abc":
+        cache.get_or_compute(key, lambda k=key: k.upper())
+    assert len(cache) == 2 and cache.misses == 3
+    assert cache.get_or_compute("c", lambda: "not called") == "C" and cache.hits == 1
+    assert cache.get_or_compute(None, lambda: "uncached") == "uncached" and len(cache) == 2

@@ -1,0 +1,103 @@
+"""Exact, hashable signatures of op calls, and the bounded caches that keep trace-time work per signature.
+
+Sharding propagation (a prim's meta) and the lowering's per-op traces depend only on the op, its inputs'
+specs and local metadata and its other arguments: a model whose layers repeat pays for each distinct call
+once. A key must be exact (a call that could trace differently never shares one), so arguments are described
+by type and value, in argument order, with the call's tree structure; an argument no exact description is
+known for makes the call uncacheable instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from thunder_dtensor import _integration as ti
+
+import torch
+
+__all__ = ["SignatureCache", "Uncacheable", "ambient_state", "describe_value"]
+
+
+class Uncacheable(TypeError):
+    """An argument has no exact hashable description: the call is worked out afresh."""
+
+
+#: types whose ``repr`` is their value, exactly
+_EXACT_REPR_TYPES = (int, float, complex, str, bool, type(None), type(Ellipsis), slice)
+_EXACT_REPR_TORCH_TYPES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def describe_value(x: Any) -> Hashable:
+    """An exact, hashable description of a non-tensor argument: equal descriptions, equal values."""
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(describe_value(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((describe_value(k), describe_value(v)) for k, v in x.items()))
+    if isinstance(x, _EXACT_REPR_TYPES + _EXACT_REPR_TORCH_TYPES) or isinstance(x, enum.Enum):
+        return (type(x).__qualname__, repr(x))
+    if ti.DISTRIBUTED_AVAILABLE:
+        if isinstance(x, ti.DeviceMesh):
+            return ("mesh", x.device_type, tuple(x.mesh.flatten().tolist()), tuple(x.mesh.shape), x.mesh_dim_names)
+        if isinstance(x, ti.Placement):
+            return (type(x).__qualname__, repr(x))
+    if isinstance(x, (ti.dtypes.dtype, ti.devices.Device)):
+        return (type(x).__qualname__, repr(x))
+    raise Uncacheable(f"no exact description of a {type(x).__qualname__} argument")
+
+
+def ambient_state() -> Hashable:
+    """Process state a fake run or trace of an op reads besides its arguments: default dtype, autocast, and the
+    SDPA backends torch's flags enable (which kernel a traced attention calls)."""
+    autocast = tuple(
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+    )
+    return (torch.get_default_dtype(), autocast, ti.sdpa_backends_enabled_globally(with_priority=True))
+
+
+class SignatureCache:
+    """A least-recently-used map from call signatures to trace-time results, with hit / miss counts.
+
+    Bounded, so a long-lived process that traces many different programs does not grow without limit.
+    """
+
+    def __init__(self, name: str, maxsize: int = 4096) -> None:
+        self.name = name
+        self.maxsize = maxsize
+        self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get_or_compute(
+        self, key: Hashable | None, compute: Callable[[], Any], keep: Callable[[Any], bool] | None = None
+    ) -> Any:
+        """The value cached for ``key``, else ``compute()``: stored unless ``key`` is None, it raises, or
+        ``keep(value)`` says not to."""
+        if key is None:
+            return compute()
+        try:
+            value = self._entries[key]
+        except KeyError:
+            self.misses += 1
+            value = compute()
+            if keep is not None and not keep(value):
+                return value
+            self._entries[key] = value
+            if len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+            return value
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"SignatureCache({self.name!r}: {len(self)} entries, {self.hits} hits, {self.misses} misses)"

@@ -77,14 +77,33 @@ def _fake_of(x: Any) -> Any:
     return to_torch_value(x)
 
 
+#: a lowered op's fake outputs by call signature: its meta runs at emission and again as executors claim it
+LOCAL_META_CACHE = SignatureCache("lowered op metas")
+
+
+def _meta_key(overload: Any, args: tuple, kwargs: dict) -> Any:
+    flat, tree = ti.tree_flatten((args, kwargs))
+    try:
+        leaves = tuple(
+            ("tensor", tuple(x.shape), x.dtype, x.device) if isinstance(x, ti.TensorProxy) else describe_value(x)
+            for x in flat
+        )
+    except Uncacheable:
+        return None
+    return (overload, str(tree), leaves, ambient_state())
+
+
 def _meta_by_fake_run(overload: Any) -> Callable:
     """The meta of a lowered op: the op itself on fake tensors (torch's own shape rules)."""
 
-    def meta(*args: Any, **kwargs: Any) -> Any:
+    def fake_run(args: tuple, kwargs: dict) -> Any:
         with ti.fake_tensor_mode():
             fake_args, fake_kwargs = ti.tree_map(_fake_of, (args, kwargs))
             fake_kwargs.pop("mesh_dim", None)
-            val = overload(*fake_args, **fake_kwargs)
+            return overload(*fake_args, **fake_kwargs)
+
+    def meta(*args: Any, **kwargs: Any) -> Any:
+        val = LOCAL_META_CACHE.get_or_compute(_meta_key(overload, args, kwargs), lambda: fake_run(args, kwargs))
         return _output_proxies(ti.get_tracectx(), val)
 
     return meta

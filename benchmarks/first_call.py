@@ -4,9 +4,9 @@ The first call is what a user waits for after every launch, on every rank: trace
 training step (forward, loss, backward). Measured in a fresh process per variant, so no variant profits from
 another's warm caches (imports, thunder's tables, inductor's compile workers), with a fresh, empty inductor
 cache for torch.compile. Each variant runs under ``torchrun --nproc-per-node 2``; its time is the maximum
-over ranks, and the median of ``--repeat`` fresh processes (one for torch.compile, whose first call is 5-10x
-longer than thunder's). The reference is the same model *unsharded* under ``thunder.jit`` (what tensor
-parallelism adds).
+over ranks, and the median of ``--repeat`` fresh processes, run round-robin over the variants (one for
+torch.compile, whose first call is 5-10x longer than thunder's). The reference is the same model
+*unsharded* under ``thunder.jit`` (what tensor parallelism adds).
 
     python benchmarks/first_call.py                 # every variant: benchmarks/results/first_call.{json,md}
     python benchmarks/first_call.py --models gpt    # one model
@@ -179,15 +179,20 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit.stdout.strip(),
         "results": {},
     }
-    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-        report["results"][model] = {}
-        for variant in VARIANTS[model]:
-            repeat = 1 if variant.startswith("torch.compile") else args.repeat
-            runs = [run_variant(model, variant, args.nproc, args.timeout_s) for _ in range(repeat)]
-            r = next((run for run in runs if "error" in run), None) or median_run(runs)
-            report["results"][model][variant] = r
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    runs: dict[tuple[str, str], list[dict]] = {(m, v): [] for m in models for v in VARIANTS[m]}
+    # round-robin: a busy spell on the shared machine slows one run of many variants, not every run of one
+    for round_index in range(args.repeat):
+        for model, variant in runs:
+            if variant.startswith("torch.compile") and round_index > 0:
+                continue
+            r = run_variant(model, variant, args.nproc, args.timeout_s)
+            runs[model, variant].append(r)
             shown = f"{r['first_call_s']:6.2f} s" if "error" not in r else f"error: {r['error'][:200]}"
             print(f"first call {model:6s} {variant:18s} {shown}", flush=True)
+    for (model, variant), variant_runs in runs.items():
+        failed = next((run for run in variant_runs if "error" in run), None)
+        report["results"].setdefault(model, {})[variant] = failed or median_run(variant_runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "first_call.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -1481,9 +1481,9 @@ def install_lowering(
 # Module calls (torch 2.13 ``nn.Module._call_impl`` layout, thunder 0.2.6 interpreter): first-call time
 # ---------------------------------------------------------------------------------------------------------
 def _module_hook_state_is_plain(module: torch.nn.Module) -> bool:
-    """Whether calling ``module`` runs only forward pre-hooks and forward hooks without kwargs, none always-called,
-    no backward hooks, no global hooks, no ``torch.jit`` tracing and no ``module.compile()``: the calls
-    :func:`dispatch_module_calls_outside_the_interpreter` makes itself. Anything else is interpreted as before."""
+    """Whether calling ``module`` runs only its own forward pre-hooks and forward hooks (with or without kwargs),
+    none always-called, no backward hooks, no global hooks, no ``torch.jit`` tracing and no ``module.compile()``:
+    the calls :func:`dispatch_module_calls_outside_the_interpreter` makes itself. Anything else is interpreted."""
     from torch.nn.modules import module as module_mod
 
     return (
@@ -1491,7 +1491,6 @@ def _module_hook_state_is_plain(module: torch.nn.Module) -> bool:
         and module._compiled_call_impl is None
         and type(module)._call_impl is torch.nn.Module._call_impl
         and not (module._backward_hooks or module._backward_pre_hooks)
-        and not (module._forward_pre_hooks_with_kwargs or module._forward_hooks_with_kwargs)
         and not module._forward_hooks_always_called
         and not (module_mod._global_backward_pre_hooks or module_mod._global_backward_hooks)
         and not (module_mod._global_forward_pre_hooks or module_mod._global_forward_hooks)
@@ -1505,8 +1504,10 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
     call. With hooks (every tensor-parallel module has two) that is the slow path's closure, dict unpacking and
     loops: most of a TP model's first-call time. This lookaside does what that code does for the common case
     (:func:`_module_hook_state_is_plain`): each forward pre-hook ``hook(module, args)`` (a non-None result
-    replaces ``args``, a non-tuple one as ``(result,)``), ``module.forward(*args, **kwargs)``, each forward hook
-    ``hook(module, args, output)`` (a non-None result replaces the output). The hooks and ``forward`` are read
+    replaces ``args``, a non-tuple one as ``(result,)``) or, registered with kwargs, ``hook(module, args,
+    kwargs)`` (a non-None result is the new ``(args, kwargs)``), ``module.forward(*args, **kwargs)``, each
+    forward hook ``hook(module, args, output)`` or ``hook(module, args, kwargs, output)`` (a non-None result
+    replaces the output). The hooks and ``forward`` are read
     through the interpreter, from the module's hook dicts by hook id, so the prologue still checks what they read
     (e.g. a tensor-parallel hook's ``use_local_output``). Other cases interpret a copy of torch's function.
     """
@@ -1543,7 +1544,24 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
         if user_module._forward_pre_hooks:
             hooks = read(module, "_forward_pre_hooks")
             for hook_id in list(unwrap(hooks)):
-                result = interpreter._interpret_call(hook_by_id(hooks, hook_id), module, wrapped_args)
+                hook = hook_by_id(hooks, hook_id)
+                if hook_id in user_module._forward_pre_hooks_with_kwargs:
+                    result = interpreter._interpret_call(hook, module, wrapped_args, wrapped_kwargs)
+                    if result is raised:
+                        return result
+                    if unwrap(result) is None:
+                        continue
+                    if not (isinstance(unwrap(result), tuple) and len(unwrap(result)) == 2):
+                        return interpreter.do_raise(
+                            RuntimeError(
+                                "forward pre-hook must return None or a tuple of (new_args, new_kwargs), "
+                                f"but got {unwrap(result)}."
+                            )
+                        )
+                    interpreter.populate_item_wrappers(result)
+                    wrapped_args, wrapped_kwargs = result.item_wrappers
+                    continue
+                result = interpreter._interpret_call(hook, module, wrapped_args)
                 if result is raised:
                     return result
                 if unwrap(result) is not None:
@@ -1555,7 +1573,11 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
             return output
         hooks = read(module, "_forward_hooks")
         for hook_id in list(unwrap(hooks)):
-            result = interpreter._interpret_call(hook_by_id(hooks, hook_id), module, wrapped_args, output)
+            hook = hook_by_id(hooks, hook_id)
+            if hook_id in user_module._forward_hooks_with_kwargs:
+                result = interpreter._interpret_call(hook, module, wrapped_args, wrapped_kwargs, output)
+            else:
+                result = interpreter._interpret_call(hook, module, wrapped_args, output)
             if result is raised:
                 return result
             if unwrap(result) is not None:

@@ -1,9 +1,10 @@
 """First-call work: the interpreter stays out of code the package knows; trace-time work is done per signature.
 
-What is asserted: under ``thunder.jit`` the interpreter never steps into ``nn.Module``'s call machinery, the
-tensor-parallel style functions or ``DTensor.from_local`` / ``to_local`` / ``redistribute`` (its log, recorded
-with ``record_interpreter_history``); values and gradients still equal eager DTensor's, also for a
-``PrepareModuleInput`` subclass that overrides a step (its own code is interpreted). Sharding propagation
+What is asserted: under ``thunder.jit`` the interpreter never steps into ``nn.Module``'s call machinery
+(hooks with keyword arguments included), the tensor-parallel style functions or ``DTensor.from_local`` /
+``to_local`` / ``redistribute`` (its log, recorded with ``record_interpreter_history``); values and gradients
+still equal eager DTensor's, also for a ``PrepareModuleInput`` subclass that overrides a step (its own code is
+interpreted). Sharding propagation
 and lowering results are cached by call signature: a model with three identical layers works out exactly as
 many distinct calls as the same model with two, and a different spec or local shape misses the cache and gets
 its own (correct) result.
@@ -104,6 +105,39 @@ def test_interpreter_does_not_step_into_module_calls_tp_hooks_or_dtensor_boundar
         and not name.endswith("<lambda>")
     )
     assert not stepped_into, f"the interpreter stepped into {stepped_into}"
+
+
+class _KwargBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_kwargs_hooks_run_outside_the_interpreter_and_match_eager():
+    """``PrepareModuleInput`` with keyword-argument layouts registers a pre-hook that takes and returns kwargs."""
+    torch.manual_seed(0)
+    ref = _KwargBlock()
+    plan = {
+        "": PrepareModuleInput(input_kwarg_layouts={"x": Shard(1)}, desired_input_kwarg_layouts={"x": Replicate()}),
+        "fc1": ColwiseParallel(),
+        "fc2": RowwiseParallel(),
+    }
+    mesh = mesh_1d()
+    eager = parallelize_module(copy.deepcopy(ref), mesh, plan)
+    model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+    assert model._forward_pre_hooks_with_kwargs
+    jitted = thunder.jit(model, **_record_history())
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))  # this rank's sequence shard
+    expected, actual = eager(x=x), jitted(x=x)
+    torch.testing.assert_close(actual, expected, **TOL)
+    expected.sum().backward()
+    actual.sum().backward()
+    assert_grads_match(model, eager, "jit vs eager DTensor", **TOL)
+    interpreted = _interpreted_functions(jitted)
+    assert not {"Module._call_impl", "Module._wrapped_call_impl"} & interpreted, interpreted
 
 
 class _ScaledInput(PrepareModuleInput):

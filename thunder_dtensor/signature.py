@@ -26,7 +26,7 @@ class Uncacheable(TypeError):
 
 
 #: types whose ``repr`` is their value, exactly
-_EXACT_REPR_TYPES = (int, float, complex, str, bool, type(None), type(Ellipsis), slice)
+_EXACT_REPR_TYPES = (int, float, complex, str, bool, type(None), type(Ellipsis))
 _EXACT_REPR_TORCH_TYPES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
@@ -36,6 +36,8 @@ def describe_value(x: Any) -> Hashable:
         return (type(x).__name__, tuple(describe_value(v) for v in x))
     if isinstance(x, dict):
         return ("dict", tuple((describe_value(k), describe_value(v)) for k, v in x.items()))
+    if isinstance(x, slice):
+        return ("slice", describe_value(x.start), describe_value(x.stop), describe_value(x.step))
     if isinstance(x, _EXACT_REPR_TYPES + _EXACT_REPR_TORCH_TYPES) or isinstance(x, enum.Enum):
         return (type(x).__qualname__, repr(x))
     if ti.DISTRIBUTED_AVAILABLE:

@@ -119,6 +119,8 @@ def _describe_node_argument(a: Any) -> Any:
         return (type(a).__name__, tuple(_describe_node_argument(v) for v in a))
     if isinstance(a, dict):
         return ("dict", tuple((k, _describe_node_argument(v)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return ("slice", *(_describe_node_argument(v) for v in (a.start, a.stop, a.step)))
     return describe_value(a)
 
 

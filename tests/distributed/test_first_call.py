@@ -198,6 +198,9 @@ def test_signature_descriptions_are_exact():
     assert len({describe_value(v) for v in (1, 1.0, True, "1", (1,), [1], None)}) == 7
     assert describe_value(Shard(0)) != describe_value(Shard(1))
     assert describe_value(mesh_1d()) == describe_value(mesh_1d())
+    assert describe_value(slice(1, None)) != describe_value(slice(1, 0))
+    with pytest.raises(Uncacheable):
+        describe_value(slice(0, object()))  # a slice's parts are described too (an fx node's repr is its name)
     with pytest.raises(Uncacheable):
         describe_value(object())
     cache = SignatureCache("test", maxsize=2)

@@ -1416,6 +1416,11 @@ def group_name(mesh: Any, dim: int) -> str:
     return mesh.get_group(dim).group_name
 
 
+def mesh_group_names(mesh: Any) -> tuple[str, ...]:
+    """The process group name of every dim of a (real) device mesh."""
+    return tuple(group_name(mesh, dim) for dim in range(mesh.ndim))
+
+
 @contextlib.contextmanager
 def fake_tensor_logging_muted() -> Iterator[None]:
     """Mute fake tensor's log of failing meta kernels while a trace-time run may fail (we report it)."""
@@ -1490,6 +1495,7 @@ def _module_hook_state_is_plain(module: torch.nn.Module) -> bool:
         not torch._C._get_tracing_state()
         and module._compiled_call_impl is None
         and type(module)._call_impl is torch.nn.Module._call_impl
+        and "_call_impl" not in module.__dict__
         and not (module._backward_hooks or module._backward_pre_hooks)
         and not module._forward_hooks_always_called
         and not (module_mod._global_backward_pre_hooks or module_mod._global_backward_hooks)

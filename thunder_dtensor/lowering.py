@@ -759,7 +759,11 @@ def _key(kind: str, name: str, flat: list, tree: Any, infos: list[tuple[int, _In
             leaves.append(describe_value(value))
         except Uncacheable:
             return None
-    return (kind, name, str(tree), tuple(leaves), extra, ambient_state())
+    try:  # equal specs may sit on meshes with other process groups, which the traced collectives name
+        meshes = tuple(describe_value(info.spec.mesh) for _, info in infos if info.spec is not None)
+    except Uncacheable:
+        return None
+    return (kind, name, str(tree), tuple(leaves), meshes, extra, ambient_state())
 
 
 _IDENTITY_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}

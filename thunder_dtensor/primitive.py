@@ -61,16 +61,22 @@ def _stand_in(x: Any, fill: Callable = torch.empty) -> Any:
 
 
 def _spec_on_mesh(spec: Any, input_meshes: list) -> Any:
-    """``spec`` on the op's own (real) device mesh.
+    """``spec`` on the op's own (real) device mesh object.
 
-    Under thunderfx, dynamo's fake tracing leaves DTensor's sharding cache holding specs whose mesh is an
-    opaque stand-in that compares equal to the real one; an output must carry the mesh of its inputs.
+    An output must carry the mesh of its inputs: under thunderfx, dynamo's fake tracing leaves DTensor's
+    sharding cache holding specs whose mesh is an opaque stand-in that compares equal to the real one, and
+    meshes over the same ranks but different process groups compare equal too.
     """
-    if not ti.is_opaque_script_object(spec.mesh):
+    real = next((m for m in input_meshes if m is spec.mesh), None)
+    if real is None:
+        real = next((m for m in input_meshes if m == spec.mesh), None)
+    if real is None:
+        ti.check(
+            not ti.is_opaque_script_object(spec.mesh),
+            lambda: f"no input of the op is on the output's device mesh {spec.mesh}",
+        )
         return spec
-    real = next((m for m in input_meshes if m == spec.mesh), None)
-    ti.check(real is not None, lambda: f"no input of the op is on the output's device mesh {spec.mesh}")
-    return ti.make_spec(real, spec.placements, spec.tensor_meta)
+    return spec if real is spec.mesh else ti.make_spec(real, spec.placements, spec.tensor_meta)
 
 
 def _to_proxy(x: Any, requires_grad: bool, input_meshes: list) -> Any:
@@ -159,7 +165,8 @@ PROPAGATION_CACHE = SignatureCache("sharding propagation")
 def _describe_proxy(x: Any) -> tuple:
     """What a fake stand-in of ``x`` is made of (:func:`_stand_in`): spec, local shape, dtype, device."""
     if isinstance(x, DTensorProxy):
-        return ("dtensor", x.meta.spec, tuple(x.local_shape), x.meta.dtype, x.device)
+        mesh = describe_value(x.device_mesh)  # its process groups too: DeviceMesh equality leaves them out
+        return ("dtensor", x.meta.spec, mesh, tuple(x.local_shape), x.meta.dtype, x.device)
     return ("tensor", tuple(x.shape), x.dtype, x.device)
 
 
@@ -182,10 +189,18 @@ def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kw
     flat, tree = ti.tree_flatten((args, kwargs))
     requires_grad = any(isinstance(a, ti.TensorProxy) and a.requires_grad for a in flat)
     key = _propagation_key(op_name, flat, tree)
-    out = PROPAGATION_CACHE.get_or_compute(key, lambda: _fake_outputs(op_name, torch_fn, args, kwargs))
+    out = PROPAGATION_CACHE.get_or_compute(
+        key, lambda: _fake_outputs(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
+    )
     input_meshes = [a.device_mesh for a in flat if isinstance(a, DTensorProxy)]
     input_meshes += [a for a in flat if ti.DISTRIBUTED_AVAILABLE and isinstance(a, ti.DeviceMesh)]
     return ti.tree_map(lambda o: _to_proxy(o, requires_grad, input_meshes), out)
+
+
+def _only_fake_tensors(out: Any) -> bool:
+    """Whether every tensor in ``out`` is fake: results of the real-zeros run (below) are not kept."""
+    leaves, _ = ti.torch_tree_flatten(out)
+    return all(ti.is_fake(x) for x in leaves if isinstance(x, torch.Tensor))
 
 
 def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -42,7 +42,13 @@ def describe_value(x: Any) -> Hashable:
         return (type(x).__qualname__, repr(x))
     if ti.DISTRIBUTED_AVAILABLE:
         if isinstance(x, ti.DeviceMesh):
-            return ("mesh", x.device_type, tuple(x.mesh.flatten().tolist()), tuple(x.mesh.shape), x.mesh_dim_names)
+            # equal meshes may still differ in their process groups, which collectives are issued on
+            try:
+                groups = ti.mesh_group_names(x)
+            except Exception as e:  # a mesh without process groups here
+                raise Uncacheable("a device mesh whose process groups are unknown") from e
+            ranks = tuple(x.mesh.flatten().tolist())
+            return ("mesh", x.device_type, ranks, tuple(x.mesh.shape), x.mesh_dim_names, groups)
         if isinstance(x, ti.Placement):
             return (type(x).__qualname__, repr(x))
     if isinstance(x, (ti.dtypes.dtype, ti.devices.Device)):
@@ -51,12 +57,13 @@ def describe_value(x: Any) -> Hashable:
 
 
 def ambient_state() -> Hashable:
-    """Process state a fake run or trace of an op reads besides its arguments: default dtype, autocast, and the
-    SDPA backends torch's flags enable (which kernel a traced attention calls)."""
+    """Process state a fake run or trace of an op reads besides its arguments: default dtype and device,
+    autocast, and the SDPA backends torch's flags enable (which kernel a traced attention calls)."""
     autocast = tuple(
         (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
     )
-    return (torch.get_default_dtype(), autocast, ti.sdpa_backends_enabled_globally(with_priority=True))
+    backends = ti.sdpa_backends_enabled_globally(with_priority=True)
+    return (torch.get_default_dtype(), torch.get_default_device(), autocast, backends)
 
 
 class SignatureCache:

@@ -111,8 +111,13 @@ PLAIN_NODE_CACHE = SignatureCache("thunderfx node support")
 
 
 def _describe_node_argument(a: Any) -> Any:
-    """What thunder's check of a node sees of an argument: example values' metadata, other values as they are."""
+    """What thunder's check of a node sees of an argument: example values' metadata, other values as they are.
+
+    A submodule argument (``get_attr``: a checkpointed or ``autograd.Function`` body, which thunder's check looks
+    into) has no such description."""
     if isinstance(a, torch.fx.Node):
+        if a.op == "get_attr":
+            raise Uncacheable("a submodule argument")
         leaves, tree = ti.torch_tree_flatten(a.meta.get("example_value"))
         return ("node", str(tree), tuple(_describe_example(v) for v in leaves))
     if isinstance(a, (list, tuple)):
@@ -134,6 +139,8 @@ def _describe_example(v: Any) -> Any:
 
 
 def _plain_node_key(node: torch.fx.Node, thunder_options: dict) -> Any:
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None  # thunder's check looks into the operator's body
     try:
         target = node.target
         hash(target)

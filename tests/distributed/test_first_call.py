@@ -209,3 +209,23 @@ def test_signature_descriptions_are_exact():
     assert len(cache) == 2 and cache.misses == 3
     assert cache.get_or_compute("c", lambda: "not called") == "C" and cache.hits == 1
     assert cache.get_or_compute(None, lambda: "uncached") == "uncached" and len(cache) == 2
+
+
+def test_meshes_over_the_same_ranks_but_other_process_groups_keep_their_own_collectives():
+    """Equal meshes (same ranks) may hold different process groups: a cached result must not carry the other's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = list(range(world_size()))
+    meshes = [DeviceMesh.from_group(dist.new_group(ranks), "cpu") for _ in range(2)]
+    assert meshes[0] == meshes[1]
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(5))
+    for mesh in meshes:
+        group = mesh.get_group(0).group_name
+        jitted = thunder.jit(
+            lambda t, mesh=mesh: DTensor.from_local(t, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+        )
+        out = jitted(x)
+        assert out.device_mesh is mesh
+        assert f"'{group}'" in str(thunder.last_traces(jitted)[-1]), f"the all-gather is not on group {group}"
+        torch.testing.assert_close(out.to_local(), torch.cat([x] * world_size()))

@@ -37,7 +37,7 @@ from thunder_dtensor.primitive import (
     to_torch_value,
 )
 from thunder_dtensor.proxy import DTensorProxy
-from thunder_dtensor.signature import SignatureCache, Uncacheable, ambient_state, describe_value
+from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
 from thunder_dtensor.spec import DTensorMeta, contiguous_stride
 
 import torch
@@ -82,15 +82,11 @@ LOCAL_META_CACHE = SignatureCache("lowered op metas")
 
 
 def _meta_key(overload: Any, args: tuple, kwargs: dict) -> Any:
+    def describe(x: Any) -> Any:
+        return ("tensor", tuple(x.shape), x.dtype, x.device) if isinstance(x, ti.TensorProxy) else describe_value(x)
+
     flat, tree = ti.tree_flatten((args, kwargs))
-    try:
-        leaves = tuple(
-            ("tensor", tuple(x.shape), x.dtype, x.device) if isinstance(x, ti.TensorProxy) else describe_value(x)
-            for x in flat
-        )
-    except Uncacheable:
-        return None
-    return (overload, str(tree), leaves, ambient_state())
+    return call_signature(overload, flat, tree, describe)
 
 
 def _meta_by_fake_run(overload: Any) -> Callable:
@@ -747,23 +743,19 @@ def _key(kind: str, name: str, flat: list, tree: Any, infos: list[tuple[int, _In
     """The graph cache key: op, the call's structure and, in order, every tensor argument's local metadata and
     spec and every other argument's value (None: not cacheable)."""
     by_position = dict(infos)
-    leaves = []
-    for i, x in enumerate(flat):
+
+    def describe(position_and_value: tuple[int, Any]) -> Any:
+        i, x = position_and_value
         if i in by_position:
-            leaves.append(by_position[i])
-            continue
+            info = by_position[i]
+            # equal specs may sit on meshes with other process groups, which the traced collectives name
+            return (info, None if info.spec is None else describe_value(info.spec.mesh))
         value = to_torch_value(x)
         if isinstance(value, torch.Tensor):
             raise NotLowerable("a tensor constant among the arguments")
-        try:
-            leaves.append(describe_value(value))
-        except Uncacheable:
-            return None
-    try:  # equal specs may sit on meshes with other process groups, which the traced collectives name
-        meshes = tuple(describe_value(info.spec.mesh) for _, info in infos if info.spec is not None)
-    except Uncacheable:
-        return None
-    return (kind, name, str(tree), tuple(leaves), meshes, extra, ambient_state())
+        return describe_value(value)
+
+    return call_signature((kind, name, extra), list(enumerate(flat)), tree, describe)
 
 
 _IDENTITY_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}

@@ -16,7 +16,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError, structural_hint
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy, proxy_for_value
-from thunder_dtensor.signature import SignatureCache, Uncacheable, ambient_state, describe_value
+from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
 
 import torch
 
@@ -172,13 +172,11 @@ def _describe_proxy(x: Any) -> tuple:
 
 def _propagation_key(op_name: str, flat: list, tree: Any) -> Any:
     """The exact signature of a fake run (None: not cacheable)."""
-    try:
-        leaves = tuple(
-            _describe_proxy(x) if isinstance(x, ti.TensorProxy) else describe_value(to_torch_value(x)) for x in flat
-        )
-    except Uncacheable:
-        return None
-    return (op_name, str(tree), leaves, ambient_state())
+
+    def describe(x: Any) -> Any:
+        return _describe_proxy(x) if isinstance(x, ti.TensorProxy) else describe_value(to_torch_value(x))
+
+    return call_signature(op_name, flat, tree, describe)
 
 
 def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
 
 import torch
 
-__all__ = ["SignatureCache", "Uncacheable", "ambient_state", "describe_value"]
+__all__ = ["SignatureCache", "Uncacheable", "ambient_state", "call_signature", "describe_value"]
 
 
 class Uncacheable(TypeError):
@@ -30,14 +30,19 @@ _EXACT_REPR_TYPES = (int, float, complex, str, bool, type(None), type(Ellipsis))
 _EXACT_REPR_TORCH_TYPES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
-def describe_value(x: Any) -> Hashable:
-    """An exact, hashable description of a non-tensor argument: equal descriptions, equal values."""
+def describe_value(x: Any, special: Callable[[Any], Hashable | None] | None = None) -> Hashable:
+    """An exact, hashable description of a non-tensor argument: equal descriptions, equal values.
+
+    ``special`` describes the values it knows (None: not one of them), at every depth of a container.
+    """
+    if special is not None and (described := special(x)) is not None:
+        return described
     if isinstance(x, (tuple, list)):
-        return (type(x).__name__, tuple(describe_value(v) for v in x))
+        return (type(x).__name__, tuple(describe_value(v, special) for v in x))
     if isinstance(x, dict):
-        return ("dict", tuple((describe_value(k), describe_value(v)) for k, v in x.items()))
+        return ("dict", tuple((describe_value(k, special), describe_value(v, special)) for k, v in x.items()))
     if isinstance(x, slice):
-        return ("slice", describe_value(x.start), describe_value(x.stop), describe_value(x.step))
+        return ("slice", *(describe_value(v, special) for v in (x.start, x.stop, x.step)))
     if isinstance(x, _EXACT_REPR_TYPES + _EXACT_REPR_TORCH_TYPES) or isinstance(x, enum.Enum):
         return (type(x).__qualname__, repr(x))
     if ti.DISTRIBUTED_AVAILABLE:
@@ -54,6 +59,16 @@ def describe_value(x: Any) -> Hashable:
     if isinstance(x, (ti.dtypes.dtype, ti.devices.Device)):
         return (type(x).__qualname__, repr(x))
     raise Uncacheable(f"no exact description of a {type(x).__qualname__} argument")
+
+
+def call_signature(op: Hashable, leaves: Iterable, tree: Any, describe_leaf: Callable[[Any], Hashable]) -> Any:
+    """The exact signature of a call: the op, its tree structure, each leaf described in order, and the ambient
+    state (None: a leaf has no exact description, so the call is not cached)."""
+    try:
+        described = tuple(describe_leaf(x) for x in leaves)
+    except Uncacheable:
+        return None
+    return (op, str(tree), described, ambient_state())
 
 
 def ambient_state() -> Hashable:

@@ -115,18 +115,16 @@ def _describe_node_argument(a: Any) -> Any:
 
     A submodule argument (``get_attr``: a checkpointed or ``autograd.Function`` body, which thunder's check looks
     into) has no such description."""
-    if isinstance(a, torch.fx.Node):
-        if a.op == "get_attr":
-            raise Uncacheable("a submodule argument")
-        leaves, tree = ti.torch_tree_flatten(a.meta.get("example_value"))
-        return ("node", str(tree), tuple(_describe_example(v) for v in leaves))
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_describe_node_argument(v) for v in a))
-    if isinstance(a, dict):
-        return ("dict", tuple((k, _describe_node_argument(v)) for k, v in a.items()))
-    if isinstance(a, slice):
-        return ("slice", *(_describe_node_argument(v) for v in (a.start, a.stop, a.step)))
-    return describe_value(a)
+    return describe_value(a, special=_describe_fx_node)
+
+
+def _describe_fx_node(a: Any) -> Any:
+    if not isinstance(a, torch.fx.Node):
+        return None
+    if a.op == "get_attr":
+        raise Uncacheable("a submodule argument")
+    leaves, tree = ti.torch_tree_flatten(a.meta.get("example_value"))
+    return ("node", str(tree), tuple(_describe_example(v) for v in leaves))
 
 
 def _describe_example(v: Any) -> Any:

@@ -33,20 +33,22 @@ test-dist2: setup
 test-dist4: setup
 	$(RUN4) -m pytest tests/distributed -q -p no:cacheprovider
 
-# the full OpInfo sweep, every sample (7-11 minutes on 2 cores): rewrites docs/op_coverage.md
+# the full OpInfo sweep, every sample, at world sizes 2 and 4 (about 15 minutes on 2 cores): rewrites docs/op_coverage.md
 op-coverage: setup
 	$(RUN2) scripts/op_coverage.py
+	$(RUN4) scripts/op_coverage.py
 
 tp-demo: setup
 	$(RUN2) examples/tp_transformer.py
 
 # step time (interleaved rounds in one process) and first-call time (a fresh process per variant), eager DTensor
-# vs torch.compile vs thunder (about 10 minutes on 2 cores): writes benchmarks/results/results.{json,md,png} and
-# first_call.{json,md}; see benchmarks/README.md
+# vs torch.compile vs thunder, and an op without a sharding rule (about 12 minutes on 2 cores): writes
+# benchmarks/results/results.{json,md,png}, first_call.{json,md} and no_rule.md; see benchmarks/README.md
 bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/first_call.py
 	$(RUN2) benchmarks/bench.py --time-limit-s 420
+	$(RUN2) benchmarks/no_rule.py
 
 lint: setup
 	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts benchmarks

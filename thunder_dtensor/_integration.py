@@ -357,6 +357,46 @@ def local_offset(dtensor: Any) -> tuple[int, ...]:
     return tuple(int(o) for o in offset)
 
 
+@contextlib.contextmanager
+def outside_tracing_modes() -> Iterator[None]:
+    """Leave any active fake tensor mode and make_fx tracing: for trace-time work on its own tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+        yield
+
+
+_DECOMPOSITIONS_WITHOUT_STRATEGY: dict | None = None
+
+
+def decompositions_dtensor_lacks() -> dict:
+    """torch's core-ATen decompositions of the aten ops DTensor has no sharding strategy, rule or handler for.
+
+    Read from DTensor's sharding propagator (``op_strategy_funcs``, ``op_single_dim_strategy_funcs``,
+    ``op_to_rules``) and op dispatcher (``_custom_op_handlers``), all private; computed once.
+    """
+    global _DECOMPOSITIONS_WITHOUT_STRATEGY
+    if _DECOMPOSITIONS_WITHOUT_STRATEGY is None:
+        from torch._decomp import core_aten_decompositions
+
+        dispatcher = DTensor._op_dispatcher
+        propagator = dispatcher.sharding_propagator
+        handled = set(dispatcher._custom_op_handlers)
+        for table in ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules"):
+            handled |= set(getattr(propagator, table, {}))
+        # the core-ATen table: its decompositions produce aten ops (the full table's refs produce prims.*,
+        # which DTensor has no strategies for)
+        table = core_aten_decompositions()
+        _DECOMPOSITIONS_WITHOUT_STRATEGY = {op: fn for op, fn in table.items() if op not in handled}
+    return _DECOMPOSITIONS_WITHOUT_STRATEGY
+
+
+def is_random_op(target: Any) -> bool:
+    """Whether an fx node target draws random numbers (an aten op tagged ``nondeterministic_seeded``)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
 def clear_sharding_propagation_cache() -> None:
     """Drop DTensor's cached sharding and redistribution decisions.
 
@@ -435,6 +475,57 @@ def register_torch_function(torch_fn: Callable, thunder_impl: Callable, *, metho
     jit_ext._general_jit_lookaside_map[thunder_impl] = lookaside
     if method_name is not None:
         register_method(method_name, thunder_impl)
+
+
+def _unwrapped(args: tuple, kwargs: dict) -> tuple:
+    """The values of the interpreter's wrapped arguments."""
+    return [getattr(a, "value", a) for a in args], {k: getattr(v, "value", v) for k, v in kwargs.items()}
+
+
+def _has_executor_lookaside(fn: Any) -> bool:
+    """Whether an executor of this jit claims ``fn`` itself (thunder's own lookaside serves it then)."""
+    from thunder.core import jit_ext
+
+    ctx = jit_ext.get_jit_ctx()
+    return fn in ctx._executor_lookasides or fn in ctx.ad_hoc_executor._lookasides
+
+
+def route_unknown_torch_functions(
+    symbol_for: Callable[[Callable], Callable], is_dtensor: Callable[[Any], bool]
+) -> None:
+    """A torch function thunder has no symbol for, called on a DTensor, becomes ``symbol_for(fn)``.
+
+    thunder's ``jit_ext.general_jit_lookaside`` raises "not yet supported" for such an opaque torch function;
+    with a DTensor among its arguments it is routed (and mapped, so later calls take thunder's own path).
+    """
+    from thunder.core import jit_ext
+
+    original = jit_ext.general_jit_lookaside
+    if getattr(original, "_thunder_dtensor", False):
+        return
+
+    known = jit_ext._general_jit_lookaside_map
+    mapped = ltorch._torch_to_thunder_function_map
+
+    def lookaside(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # cheapest tests first: the interpreter asks this for every call it makes
+        try:
+            unknown = fn not in known and fn not in mapped
+        except TypeError:  # unhashable
+            unknown = False
+        if (
+            unknown
+            and jit_ext.is_opaque(fn)
+            and str(getattr(fn, "__module__", None) or "").startswith("torch")
+            and not _has_executor_lookaside(fn)
+            and any(is_dtensor(v) for v in tree_flatten(_unwrapped(args, kwargs))[0])
+        ):
+            register_torch_function(fn, symbol_for(fn))
+            return jit_ext._general_jit_lookaside_map[fn]
+        return original(fn, *args, **kwargs)
+
+    lookaside._thunder_dtensor = True  # type: ignore[attr-defined]
+    jit_ext.general_jit_lookaside = lookaside
 
 
 def register_method(method_name: str, thunder_impl: Callable) -> None:

@@ -66,10 +66,13 @@ class DTensorOpError(RuntimeError):
     def __init__(self, op_name: str, args: tuple, kwargs: dict, cause: BaseException | str, hint: str | None = None):
         lines = [f"{op_name}: {cause}"]
         lines += [f"  input {i}: {describe_argument(t)}" for i, t in enumerate(_tensors(args, kwargs))]
-        hint = structural_hint(args, kwargs) or hint
+        structural = structural_hint(args, kwargs)
+        hint = structural or hint
         if hint is None:
             hint = "redistribute the inputs to placements this op supports (DTensor.redistribute)"
         lines.append(f"  hint: {hint}")
         super().__init__("\n".join(lines))
         self.op_name = op_name
         self.hint = hint
+        #: the inputs themselves are the cause (plain tensors among DTensors, several meshes): no rewrite helps
+        self.structural = structural is not None

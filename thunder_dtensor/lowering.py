@@ -32,7 +32,9 @@ from thunder_dtensor.primitive import (
     DTENSOR_PRIMS,
     GENERIC_VJP_NAMES,
     NOT_LOWERED,
+    REWRITTEN_PRIMS,
     RUNTIME_FNS,
+    dtensor_rewritten_prim,
     propagate_on_fake_dtensors,
     to_torch_value,
 )
@@ -630,6 +632,9 @@ class _Lowering:
             env[node] = output
             self._record_fakes(output, node.meta["val"])
         self.lowered += 1
+        rewritten = REWRITTEN_PRIMS.get(origin.sym.name)
+        if rewritten is not None:  # its local ops do not say that DTensor had no rule for the op
+            self.bsyms.append(dtensor_rewritten_prim.bind((), *rewritten, output=None))
 
     def _record_fakes(self, output: Any, val: Any) -> None:
         outs, _ = ti.torch_tree_flatten(output)

@@ -24,6 +24,7 @@ __all__ = [
     "define_dtensor_prim",
     "define_vjp",
     "propagate_on_fake_dtensors",
+    "propagated_fakes",
     "to_torch_value",
     "DTENSOR_PRIMS",
 ]
@@ -117,6 +118,10 @@ def _replicated_stand_in(replicate: set[int]) -> Callable:
     return stand_in
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
+
+
 def suggest_fix(torch_fn: Callable, args: tuple, kwargs: dict) -> str | None:
     """A hint for an op DTensor rejected, found by asking DTensor (on fake tensors) what it would accept.
 
@@ -129,7 +134,7 @@ def suggest_fix(torch_fn: Callable, args: tuple, kwargs: dict) -> str | None:
         shapes = ", ".join(f"input {i}: {list(t.shape)}" for i, t in enumerate(tensors))
         return (
             f"the op fails on plain tensors of these global shapes too ({shapes}: "
-            f"{type(plain_error).__name__}: {str(plain_error).splitlines()[0]}); fix the shapes or arguments, "
+            f"{type(plain_error).__name__}: {_first_line(plain_error)}); fix the shapes or arguments, "
             "the placements are not the cause"
         )
     sharded = [
@@ -184,15 +189,25 @@ def propagate_on_fake_dtensors(op_name: str, torch_fn: Callable, args: tuple, kw
 
     The fake outputs are cached by call signature (:data:`PROPAGATION_CACHE`); each call gets fresh proxies.
     """
-    flat, tree = ti.tree_flatten((args, kwargs))
+    flat, _ = ti.tree_flatten((args, kwargs))
     requires_grad = any(isinstance(a, ti.TensorProxy) and a.requires_grad for a in flat)
-    key = _propagation_key(op_name, flat, tree)
-    out = PROPAGATION_CACHE.get_or_compute(
-        key, lambda: _fake_outputs(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
-    )
+    out = propagated_fakes(op_name, torch_fn, args, kwargs)
     input_meshes = [a.device_mesh for a in flat if isinstance(a, DTensorProxy)]
     input_meshes += [a for a in flat if ti.DISTRIBUTED_AVAILABLE and isinstance(a, ti.DeviceMesh)]
     return ti.tree_map(lambda o: _to_proxy(o, requires_grad, input_meshes), out)
+
+
+def propagated_fakes(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """The fake outputs of ``torch_fn`` on fake DTensors shaped like the proxies (cached by call signature).
+
+    Raises :class:`DTensorOpError` where DTensor rejects the op. Creates no proxies, so it can ask whether a
+    prim would trace before the prim is called (a failing prim call leaves thunder's trace scopes open).
+    """
+    flat, tree = ti.tree_flatten((args, kwargs))
+    key = _propagation_key(op_name, flat, tree)
+    return PROPAGATION_CACHE.get_or_compute(
+        key, lambda: _fake_outputs(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
+    )
 
 
 def _only_fake_tensors(out: Any) -> bool:
@@ -276,15 +291,22 @@ def _no_op(*args: Any) -> None:
     return None
 
 
+def _kept_no_op(name: str, why: str) -> ti.Symbol:
+    """A prim that computes nothing and that dead-code elimination keeps (it says something in the trace)."""
+    return define_dtensor_prim(
+        name, _no_op, meta=_no_op, differentiable=False, tags=(ti.OpTags.DONT_DCE,), not_lowered=why
+    )
+
+
 #: a backward step that computes nothing and is never removed (see the generic grad rule)
-_undefined_gradients = define_dtensor_prim(
-    "undefined_gradients",
-    _no_op,
-    meta=_no_op,
-    differentiable=False,
-    tags=(ti.OpTags.DONT_DCE,),
-    not_lowered="a kept no-op (a backward that computes no gradient)",
-)
+_undefined_gradients = _kept_no_op("undefined_gradients", "a kept no-op (a backward that computes no gradient)")
+
+#: rewritten prim name -> (the op it computes, how: "decomposition" or "replicated fallback"), see ops/no_rule.py
+REWRITTEN_PRIMS: dict[str, tuple[str, str]] = {}
+
+#: put by the lowering after the local ops of a rewritten prim, so that the executed trace still names it:
+#: ``dtensor_rewritten_prim((), 'torch_addbmm', 'replicated fallback')`` (unlowered, the prim's own name says it)
+dtensor_rewritten_prim = _kept_no_op("rewritten", "a kept no-op that names a rewritten op")
 
 
 def _is_differentiable(x: Any) -> bool:
@@ -335,6 +357,25 @@ def _forward_with_leaves(torch_fn: Callable, flat: list, spec: Any, indices: tup
     return leaves, outs
 
 
+def _backward_distrusted(outs: list) -> str | None:
+    """Why eager DTensor's backward of an op with these outputs gives wrong gradients, or None.
+
+    A 0-dim output that is ``Partial(max)`` / ``Partial(min)`` (``amax`` of a whole sharded tensor, an
+    inf-norm) holds each rank's own extremum until reduced; torch's backward compares the input with that
+    saved value, which DTensor does not reduce first when it is 0-dim, so every rank finds its own extremum
+    and the gradient is wrong (nan / inf where no element matches). A reduction over some dims is right.
+    """
+    for o in outs:
+        if isinstance(o, DTensorProxy) and o.ndim == 0:
+            bad = [p for p in o.placements if p.is_partial() and getattr(p, "reduce_op", "sum") in ("max", "min")]
+            if bad:
+                return (
+                    f"eager DTensor's backward compares the input with the unreduced {bad[0]} output, "
+                    "which gives each rank its own extremum (wrong gradients)"
+                )
+    return None
+
+
 #: prim name -> its generic grad rule (eager DTensor's own backward), kept when a dedicated rule replaces it
 GENERIC_GRAD_RULES: dict[str, Callable] = {}
 
@@ -343,8 +384,24 @@ GENERIC_VJP_NAMES: set[str] = set()
 
 
 def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> None:
-    vjp_prim = define_dtensor_prim(f"{name}_vjp", functools.partial(run_vjp, runtime_fn), differentiable=False)
+    vjp_source = functools.partial(run_vjp, runtime_fn)
+    vjp_prim = define_dtensor_prim(f"{name}_vjp", vjp_source, differentiable=False)
     GENERIC_VJP_NAMES.add(vjp_prim.name)
+
+    def vjp(*vjp_args: Any, distrust: str | None = None) -> Any:
+        # a backward DTensor has no rule for is decomposed, else replicated (ops/no_rule.py, which imports us)
+        from thunder_dtensor.ops.no_rule import call_or_rewrite, replicated
+
+        return call_or_rewrite(
+            vjp_prim,
+            f"{name}_vjp",
+            vjp_source,
+            vjp_args,
+            {},
+            replicated_source=functools.partial(run_vjp, replicated(runtime_fn)),
+            differentiable=False,
+            distrust=distrust,
+        )
 
     def grad_rule(*args: Any, **kwargs: Any) -> Any:
         out = prim(*args, **kwargs)
@@ -357,7 +414,7 @@ def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> N
         cotangents = tuple(_cotangent_or_none(o) for o in outs)
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
-        grads = vjp_prim(args, kwargs, cotangents, diff_indices)
+        grads = vjp(args, kwargs, cotangents, diff_indices, distrust=_backward_distrusted(outs))
         if all(grad is None for grad in grads):
             # torch's backward leaves every gradient undefined (a norm with ord=0), yet its output requires
             # grad: a kept no-op gives thunder a backward, so `backward()` runs and leaves `.grad` None

@@ -249,23 +249,27 @@ OP_DB: list[OpEntry] = [
         random=True,
         check=_dropout_check(0.4),
     ),
-    OpEntry(
-        "cross_entropy",
-        lambda x, t: F.cross_entropy(x, t),
-        [(6, 10), (6,)],
-        dtypes=[torch.float32, torch.int64],
-        sweep=("all", "replicate"),
-        grad=[True, False],
-        int_high=10,
-    ),
-    OpEntry(
-        "nll_loss",
-        lambda x, t: F.nll_loss(F.log_softmax(x, -1), t),
-        [(6, 10), (6,)],
-        dtypes=[torch.float32, torch.int64],
-        sweep=("all", "replicate"),
-        grad=[True, False],
-        int_high=10,
+    *(
+        OpEntry(
+            name + suffix,
+            fn,
+            [(6, 10), (6,)],
+            dtypes=[torch.float32, torch.int64],
+            grad=[True, False],
+            int_high=10,
+            **options,
+        )
+        for name, fn in (
+            ("cross_entropy", lambda x, t: F.cross_entropy(x, t)),
+            ("nll_loss", lambda x, t: F.nll_loss(F.log_softmax(x, -1), t)),
+        )
+        for suffix, options in (
+            ("", {"sweep": ([[Shard(1)], [Replicate()]], "replicate")}),
+            # batch-sharded: eager's Partial(avg) of per-rank means is right only when every rank's denominator
+            # is the same (no class weights, no ignored targets); ours is the global sum over the global count
+            # (ops/losses.py): Partial(sum), one more all-reduce
+            ("_batch_sharded", {"sweep": ([[Shard(0)]], [[Shard(0)], [Replicate()]]), "eager": False}),
+        )
     ),
     # --- factories --------------------------------------------------------------------------------
     OpEntry("zeros_like", lambda x: x + torch.zeros_like(x), [(6, 8)]),

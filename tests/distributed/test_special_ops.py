@@ -75,27 +75,29 @@ def test_fallback_op_without_dedicated_prim():
     assert "vjp_prim" not in backward
 
 
-def test_op_eager_rejects_fails_at_trace_time():
-    """An op with no sharding strategy (renorm, in torch 2.13): the same kind of error as eager's, raised while
-    tracing. If eager runs it (a later torch), thunder runs it too, with eager's values and placements."""
-    x_full = make_full((6, 8), seed=5)
+def test_op_eager_rejects_fails_at_trace_time_with_the_fallback_off():
+    """An op with no sharding strategy and no decomposition (addbmm, in torch 2.13), with the replicated fallback
+    turned off: the same kind of error as eager's, raised while tracing. If eager runs it (a later torch), thunder
+    runs it too, with eager's values and placements. (With the fallback on it runs: test_no_rule.py.)"""
+    fulls = [make_full((4, 10), seed=2), make_full((3, 4, 5), seed=3), make_full((3, 5, 10), seed=4)]
+    placements = [[Shard(0)], [Replicate()], [Replicate()]]
 
-    def fn(x):
-        return torch.renorm(x, 2, 0, 1.0)
+    def fn(a, b, c):
+        return torch.addbmm(a, b, c)
 
-    case = DTensorCase(fn, [x_full], [[Shard(0)]], requires_grad=[False])
+    case = DTensorCase(fn, fulls, placements, requires_grad=[False] * 3)
     eager = eager_error(case, backward=False)
     if eager is None:
         run_case(case, backward=False, assert_comms=COMMS_ASSERTED)
         return
-    jfn = thunder.jit(fn)
+    jfn = thunder.jit(fn, dtensor_replicated_fallback=False)
     with pytest.raises(DTensorOpError) as info:
-        jfn(_dt(x_full, [Shard(0)], requires_grad=False))
+        jfn(*(_dt(f, p, requires_grad=False) for f, p in zip(fulls, placements)))
     message = str(info.value)
-    assert "renorm" in message and "placements=(Shard(dim=0),)" in message and "hint:" in message
+    assert "addbmm" in message.splitlines()[0] and "placements=(Shard(dim=0),)" in message and "hint:" in message
     assert type(info.value.__cause__) is type(eager)  # eager DTensor's own rejection
-    # raised by the prim's meta (sharding propagation while tracing), not by running the program
-    assert any(entry.name == "propagate_on_fake_dtensors" for entry in info.traceback)
+    # raised by sharding propagation while tracing, not by running the program
+    assert any(entry.name == "propagated_fakes" for entry in info.traceback)
 
 
 def test_vocab_parallel_embedding_grad_keeps_table_sharding():

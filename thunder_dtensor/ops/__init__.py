@@ -5,9 +5,9 @@ imports ``pointwise`` first). The generic fallback comes last: it wraps whatever
 family claimed.
 """
 
-from thunder_dtensor.ops import attention, dropout, embedding, factories, inplace, pointwise, redistribute
+from thunder_dtensor.ops import attention, dropout, embedding, factories, inplace, losses, pointwise, redistribute
 from thunder_dtensor.ops.fallback import register_fallbacks
 
 register_fallbacks()
 
-__all__ = ["attention", "dropout", "embedding", "factories", "inplace", "pointwise", "redistribute"]
+__all__ = ["attention", "dropout", "embedding", "factories", "inplace", "losses", "pointwise", "redistribute"]

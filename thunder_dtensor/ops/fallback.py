@@ -18,7 +18,9 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
+from thunder_dtensor.ops.no_rule import call_or_rewrite, replicated
 from thunder_dtensor.primitive import define_dtensor_prim
+from thunder_dtensor.proxy import DTensorProxy
 
 import torch
 
@@ -74,7 +76,21 @@ class _FallbackSymbol:
         self.name = f"dtensor_{_fallback_name(torch_fn)}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return fallback_prim(self.torch_fn)(*args, **kwargs)
+        # where DTensor has no sharding rule: the op decomposed, else on replicated inputs (ops/no_rule.py)
+        return call_or_rewrite(
+            fallback_prim(self.torch_fn),
+            _fallback_name(self.torch_fn),
+            self.torch_fn,
+            args,
+            kwargs,
+            replicated_source=_replicated(self.torch_fn),
+            differentiable=True,
+        )
+
+
+@functools.cache
+def _replicated(torch_fn: Callable) -> Callable:
+    return replicated(torch_fn)
 
 
 def _is_in_place(name: str) -> bool:
@@ -123,8 +139,19 @@ def _not_supported_by_thunder(torch_fn: Callable) -> Callable:
     return not_supported
 
 
+def _dispatcher_for_unknown(torch_fn: Callable) -> DTensorDispatcher:
+    """A torch function thunder has no symbol for: its fallback prim on DTensors, thunder's error otherwise."""
+    dispatcher = DTensorDispatcher(_not_supported_by_thunder(torch_fn), _FallbackSymbol(torch_fn))
+    DISPATCH_TABLE[torch_fn] = dispatcher
+    return dispatcher
+
+
 def register_fallbacks() -> int:
-    """Wrap every unclaimed entry of thunder's tables; returns how many were wrapped."""
+    """Wrap every unclaimed entry of thunder's tables; returns how many were wrapped.
+
+    A torch function thunder does not know gets its dispatcher when first called on a DTensor.
+    """
+    ti.route_unknown_torch_functions(_dispatcher_for_unknown, lambda v: isinstance(v, DTensorProxy))
     count = 0
     mapped = ti.torch_to_thunder_map()
     for torch_fn, twin in _SAME_AS_MAPPED_FUNCTIONS.items():
@@ -132,9 +159,7 @@ def register_fallbacks() -> int:
             ti.register_torch_function(torch_fn, mapped[twin])
     for torch_fn in _UNMAPPED_TORCH_FUNCTIONS:
         if torch_fn not in DISPATCH_TABLE and torch_fn not in ti.torch_to_thunder_map():
-            dispatcher = DTensorDispatcher(_not_supported_by_thunder(torch_fn), _FallbackSymbol(torch_fn))
-            ti.register_torch_function(torch_fn, dispatcher)
-            DISPATCH_TABLE[torch_fn] = dispatcher
+            ti.register_torch_function(torch_fn, _dispatcher_for_unknown(torch_fn))
             count += 1
     for torch_fn, single in list(ti.torch_to_thunder_map().items()):
         name = getattr(torch_fn, "__name__", "")

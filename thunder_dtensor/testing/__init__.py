@@ -337,6 +337,7 @@ def run_case(
     seed: int = 1234,
     assert_comms: Sequence[str] = (),
     label: str | None = None,
+    jit_kwargs: dict | None = None,
 ) -> CaseResult:
     """Run ``case.fn`` under thunder.jit on DTensors and check it.
 
@@ -377,7 +378,7 @@ def run_case(
 
     eager_out = None
     eager_fwd, jit_fwd = counting(), counting()
-    jitted = thunder.jit(case.fn)
+    jitted = thunder.jit(case.fn, **(jit_kwargs or {}))
     if compare_eager:
         from thunder_dtensor._integration import clear_sharding_propagation_cache
 
@@ -389,15 +390,32 @@ def run_case(
             with eager_fwd:
                 eager_out = _as_tuple(case.fn(*eager_inputs, **case.kwargs))
         except Exception as eager_failure:
-            # eager DTensor rejects these placements: thunder must reject them too, at trace time
+            # eager DTensor rejects these placements: thunder rejects them too, at trace time, or runs the op
+            # rewritten (decomposed, or on replicated inputs: ops/no_rule.py), then checked against plain torch
             from thunder_dtensor.errors import DTensorOpError
+            from thunder_dtensor.ops.no_rule import HOW_OPS_RAN
 
+            HOW_OPS_RAN.clear()
             try:
                 jitted(*fresh_inputs(True), **case.kwargs)
             except DTensorOpError as error:
                 assert "input 0:" in str(error) and "placements=" in str(error), str(error)
                 return CaseResult(None, eager_failure, [], [], None)
-            raise AssertionError(f"eager DTensor fails ({eager_failure!r}) but thunder_dtensor did not raise") from None
+            if not HOW_OPS_RAN:
+                raise AssertionError(
+                    f"eager DTensor fails ({eager_failure!r}) but thunder_dtensor ran it without a rewrite"
+                ) from None
+            return run_case(
+                case,
+                backward=backward,
+                compare_eager=False,
+                rtol=rtol,
+                atol=atol,
+                random=random,
+                seed=seed,
+                label=label,
+                jit_kwargs=jit_kwargs,
+            )
         # trace outside the counting mode (trace-time runs on stand-ins must not count); the counted call hits
         # the cache
         jitted(*fresh_inputs(True), **case.kwargs)

@@ -107,7 +107,12 @@ class OpResult:
     regression_details: list[str] = dataclasses.field(default_factory=list)
     #: the OpInfo sample indices of those regressions
     regressed_samples: list[int] = dataclasses.field(default_factory=list)
+    #: one line per sample plain torch runs and thunder_dtensor fails (forward or backward), with the error
+    failure_details: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    #: how thunder_dtensor ran the samples it passes (forward): "sharding rule", "decomposition" or
+    #: "replicated fallback" (the op's own, or its backward's, the last resort that ran)
+    how: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _shard_choice(t: torch.Tensor, world: int) -> list:
@@ -247,6 +252,19 @@ class _Outcome:
     #: why the forward (then there is no backward either) or only the backward failed to run
     fwd_error: str = ""
     bwd_error: str = ""
+    #: how thunder_dtensor ran it (see ``OpResult.how``)
+    how: str = "sharding rule"
+
+
+#: the ways an op runs, from the most to the least preferred
+HOW = ("sharding rule", "decomposition", "replicated fallback")
+
+
+def _how_it_ran() -> str:
+    """The least preferred way any op of the last trace ran (``thunder_dtensor.ops.no_rule.HOW_OPS_RAN``)."""
+    from thunder_dtensor.ops.no_rule import HOW_OPS_RAN
+
+    return max(HOW_OPS_RAN.values(), key=HOW.index, default=HOW[0])
 
 
 def _error(e: Exception) -> str:
@@ -261,6 +279,9 @@ def _run(kind: str, fn: Callable, sample: Any, mesh: Any) -> _Outcome:
     def call(*a: Any, **k: Any) -> Any:
         return fn(*a, **k)
 
+    from thunder_dtensor.ops.no_rule import HOW_OPS_RAN
+
+    HOW_OPS_RAN.clear()
     try:
         torch.manual_seed(SEED)
         out = (thunder.jit(call) if kind == "thunder" else call)(*args, **kwargs)
@@ -276,11 +297,11 @@ def _run(kind: str, fn: Callable, sample: Any, mesh: Any) -> _Outcome:
             out = thunder.jit(call)(*detached[0], **detached[1])
         except Exception:
             return _Outcome(fwd_error=_error(e))
-        return _Outcome(out, bwd_error=_error(e))
+        return _Outcome(out, bwd_error=_error(e), how=_how_it_ran())
     try:
-        return _Outcome(out, _backward(out, args, kwargs))
+        return _Outcome(out, _backward(out, args, kwargs), how=_how_it_ran())
     except Exception as e:
-        return _Outcome(out, bwd_error=_error(e))
+        return _Outcome(out, bwd_error=_error(e), how=_how_it_ran())
 
 
 def _judge(
@@ -428,6 +449,8 @@ def sweep(
                     error = error or ("" if t_ok else "not a dropout of the input")
             result.eager_fwd += e_fwd
             result.thunder_fwd += t_fwd
+            if t_fwd:
+                result.how[ours.how] = result.how.get(ours.how, 0) + 1
             result.eager_bwd += bool(e_bwd)
             result.thunder_bwd += bool(t_bwd)
             regression = (e_fwd and not t_fwd) or (bool(e_bwd) and not t_bwd)
@@ -436,6 +459,12 @@ def sweep(
                 phase = "forward" if e_fwd and not t_fwd else "backward"
                 result.regression_details.append(f"{_describe(index, sample)}: {phase}: {error}")
                 result.regressed_samples.append(index)
+            if not t_fwd or (has_bwd and not t_bwd):
+                phase = "forward" if not t_fwd else "backward"
+                random = (
+                    " (random: compared with plain torch, eager DTensor fails)" if p is not None and not e_fwd else ""
+                )
+                result.failure_details.append(f"{_describe(index, sample)}: {phase}{random}: {error}")
             if error and not result.first_error:
                 result.first_error = error
         result.seconds += time.perf_counter() - op_start
@@ -463,41 +492,53 @@ def summary(results: list[OpResult]) -> dict[str, int]:
         "thunder_bwd": sum(r.thunder_bwd for r in results),
         "regressions": sum(r.regressions for r in results),
         "skipped": sum(len(r.skipped) for r in results),
+        "thunder_failures": sum(len(r.failure_details) for r in results),
+        **{f"fwd_by_{how.replace(' ', '_')}": sum(r.how.get(how, 0) for r in results) for how in HOW},
     }
 
 
 def to_markdown(results: list[OpResult], world_size: int, *, max_samples: int | None = None) -> str:
+    """The sweep's section of ``docs/op_coverage.md`` for one world size."""
     s = summary(results)
     which = "every sample of each op" if max_samples is None else f"the first {max_samples} samples of each op"
+    how = ", ".join(f"{s['fwd_by_' + h.replace(' ', '_')]} by {h}" for h in HOW)
     lines = [
-        "## OpInfo sweep",
+        f"## OpInfo sweep, {world_size} ranks",
         "",
         f"torch's OpInfo samples (float32, {which}) as DTensors on a {world_size}-rank CPU mesh "
         "(the first tensor sharded on a dim the mesh divides, the others replicated), run with eager DTensor "
         "and with thunder_dtensor. A sample passes when it runs and matches plain torch on the full tensors, "
-        "forward and, for ops with autograd, the input gradients. Samples that draw random numbers (dropout "
+        "forward and, for ops with autograd, the input gradients. Samples plain torch fails are not counted. "
+        "Samples that draw random numbers (dropout "
         f"in training, SDPA with `dropout_p > 0`; {s['random_samples']} samples) run under one seed and are "
         "compared with eager DTensor (plain torch where eager DTensor fails); dropout outputs must also be a "
         "dropout of the input (each element dropped or scaled by 1/(1-p), not the identity).",
         "",
-        f"{s['ops']} ops, {s['samples']} samples. Forward: eager {s['eager_fwd']}, thunder_dtensor "
-        f"{s['thunder_fwd']}. Backward ({s['bwd_samples']} samples): eager {s['eager_bwd']}, thunder_dtensor "
-        f"{s['thunder_bwd']}. Samples eager passes and thunder_dtensor fails: {s['regressions']}.",
+        f"**{s['ops']} ops, {s['samples']} samples.** Forward: eager {s['eager_fwd']}, thunder_dtensor "
+        f"{s['thunder_fwd']} ({how}). Backward ({s['bwd_samples']} samples): eager {s['eager_bwd']}, "
+        f"thunder_dtensor {s['thunder_bwd']}. Samples eager passes and thunder_dtensor fails: {s['regressions']}. "
+        f"Samples thunder_dtensor fails: {s['thunder_failures']}.",
+        "",
+        "How a sample ran is the least preferred way any op of its forward or backward took: DTensor's "
+        "sharding rule, a decomposition into ops that have one, or the replicated fallback.",
         "",
     ]
     details = [f"- `{r.name}` {d}" for r in sorted(results, key=lambda r: r.name) for d in r.regression_details]
     if details:
         lines += ["Samples eager DTensor passes and thunder_dtensor fails:", "", *details, ""]
+    failures = [f"- `{r.name}` {d}" for r in sorted(results, key=lambda r: r.name) for d in r.failure_details]
+    if failures:
+        lines += ["Samples thunder_dtensor fails:", "", *failures, ""]
     skipped = [f"- `{r.name}` {d}" for r in sorted(results, key=lambda r: r.name) for d in r.skipped]
     if skipped:
         lines += ["Samples not run:", "", *skipped, ""]
     lines += [
-        "| op | samples | eager fwd | thunder fwd | eager bwd | thunder bwd | thunder_dtensor's first error |",
+        "| op | samples | eager fwd | thunder fwd | eager bwd | thunder bwd | how (rule / decomposed / replicated) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(results, key=lambda r: r.name):
         bwd = (f"{r.eager_bwd}/{r.bwd_samples}", f"{r.thunder_bwd}/{r.bwd_samples}") if r.bwd_samples else ("-", "-")
-        error = r.first_error.replace("|", "\\|").replace("\n", " ")
         fwd = f"{r.eager_fwd}/{r.samples} | {r.thunder_fwd}/{r.samples}"
-        lines.append(f"| `{r.name}` | {r.samples} | {fwd} | {bwd[0]} | {bwd[1]} | {error} |")
+        ways = " / ".join(str(r.how.get(h, 0)) for h in HOW)
+        lines.append(f"| `{r.name}` | {r.samples} | {fwd} | {bwd[0]} | {bwd[1]} | {ways} |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,75 @@
+"""Losses: the mean of a class-index ``nll_loss`` / ``cross_entropy`` over a batch-sharded input.
+
+DTensor's rule gives such a loss ``Partial(avg)``: each rank's own weighted mean, averaged over ranks. That
+is the global mean only when every rank's denominator (the summed class weights of its targets that are
+not ``ignore_index``) is the same, which depends on the targets: with class weights, ``ignore_index``
+padding or uneven shards eager DTensor returns a wrong loss, silently (or, for uneven shards of the
+batch, refuses it). Here the loss is the sum-reduced
+loss over that denominator, both ``Partial(sum)`` and computed by DTensor's own rules:
+``loss(..., reduction="sum") / nll_loss(-1, target, weight, ignore_index, reduction="sum")`` (torch's mean,
+label smoothing included, divides by exactly that sum). Every other call is the generic per-op prim.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from thunder_dtensor import _integration as ti
+from thunder_dtensor.dispatch import DISPATCH_TABLE, register_function_for_dtensor
+from thunder_dtensor.errors import DTensorOpError
+from thunder_dtensor.ops.fallback import _fallback_name, _FallbackSymbol, fallback_prim
+from thunder_dtensor.ops.pointwise import dtensor_div_prim
+from thunder_dtensor.primitive import define_dtensor_symbol, propagated_fakes
+from thunder_dtensor.proxy import DTensorProxy
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["mean_is_per_rank"]
+
+
+def mean_is_per_rank(torch_fn: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether DTensor would return this loss as ``Partial(avg)`` of per-rank means (see the docstring), or
+    refuses the mean for that reason (unevenly sharded batch) where the global sum over the count is right."""
+    try:
+        out = propagated_fakes(fallback_prim(torch_fn).name, torch_fn, args, kwargs)
+    except DTensorOpError as error:
+        return not error.structural
+    return isinstance(out, ti.DTensor) and any(p.is_partial() and p.reduce_op == "avg" for p in out.placements)
+
+
+def _class_index_mean_loss(torch_fn: Callable) -> Callable:
+    signature = inspect.signature(torch_fn)
+    generic = _FallbackSymbol(torch_fn)
+
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        target = a["target"]
+        if (
+            a["reduction"] != "mean"
+            or a.get("size_average") is not None
+            or a.get("reduce") is not None
+            or not isinstance(a["input"], DTensorProxy)
+            or not isinstance(target, ti.TensorProxy)
+            or ti.dtypes.is_inexact_dtype(target.dtype)  # class probabilities: a mean over the batch
+            or not mean_is_per_rank(torch_fn, args, kwargs)
+        ):
+            return generic(*args, **kwargs)
+        total = generic(**{**a, "reduction": "sum"})
+        minus_ones = DISPATCH_TABLE[torch.full_like].dtensor_symbol(a["input"], -1.0)
+        denominator = _FallbackSymbol(F.nll_loss)(
+            minus_ones, target, a["weight"], ignore_index=a["ignore_index"], reduction="sum"
+        )
+        return dtensor_div_prim(total, denominator)
+
+    loss.__name__ = f"dtensor_{_fallback_name(torch_fn)}_mean"
+    return loss
+
+
+for _loss_fn in (F.nll_loss, F.cross_entropy):
+    _single_device = ti.torch_to_thunder_map()[_loss_fn]
+    register_function_for_dtensor(_loss_fn, _single_device, define_dtensor_symbol(_class_index_mean_loss(_loss_fn)))

@@ -392,6 +392,17 @@ def decompositions_dtensor_lacks() -> dict:
     return _DECOMPOSITIONS_WITHOUT_STRATEGY
 
 
+def writes_into_an_input(node: Any) -> bool:
+    """Whether an fx node is an aten op whose schema mutates an argument that is a graph input."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return False
+    for arg, value in zip(target._schema.arguments, node.args):
+        if arg.is_write and isinstance(value, torch.fx.Node) and value.op == "placeholder":
+            return True
+    return False
+
+
 def is_random_op(target: Any) -> bool:
     """Whether an fx node target draws random numbers (an aten op tagged ``nondeterministic_seeded``)."""
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
@@ -482,6 +493,12 @@ def _unwrapped(args: tuple, kwargs: dict) -> tuple:
     return [getattr(a, "value", a) for a in args], {k: getattr(v, "value", v) for k, v in kwargs.items()}
 
 
+def _is_public_functional_name(name: str) -> bool:
+    """Not private (``_foreach_mul_``, ``_fused_adam_``) and not in place (``sigmoid_``): such calls keep
+    thunder's own handling, since a functional prim would drop their writes."""
+    return bool(name) and not name.startswith("_") and not name.endswith("_")
+
+
 def _has_executor_lookaside(fn: Any) -> bool:
     """Whether an executor of this jit claims ``fn`` itself (thunder's own lookaside serves it then)."""
     from thunder.core import jit_ext
@@ -493,7 +510,7 @@ def _has_executor_lookaside(fn: Any) -> bool:
 def route_unknown_torch_functions(
     symbol_for: Callable[[Callable], Callable], is_dtensor: Callable[[Any], bool]
 ) -> None:
-    """A torch function thunder has no symbol for, called on a DTensor, becomes ``symbol_for(fn)``.
+    """A public, functional torch function thunder has no symbol for, called on a DTensor, becomes ``symbol_for(fn)``.
 
     thunder's ``jit_ext.general_jit_lookaside`` raises "not yet supported" for such an opaque torch function;
     with a DTensor among its arguments it is routed (and mapped, so later calls take thunder's own path).
@@ -517,6 +534,8 @@ def route_unknown_torch_functions(
             unknown
             and jit_ext.is_opaque(fn)
             and str(getattr(fn, "__module__", None) or "").startswith("torch")
+            and _is_public_functional_name(getattr(fn, "__name__", ""))
+            and "out" not in kwargs
             and not _has_executor_lookaside(fn)
             and any(is_dtensor(v) for v in tree_flatten(_unwrapped(args, kwargs))[0])
         ):

@@ -357,14 +357,17 @@ def _forward_with_leaves(torch_fn: Callable, flat: list, spec: Any, indices: tup
     return leaves, outs
 
 
-def _backward_distrusted(outs: list) -> str | None:
+def _backward_distrusted(inputs: list, outs: list) -> str | None:
     """Why eager DTensor's backward of an op with these outputs gives wrong gradients, or None.
 
     A 0-dim output that is ``Partial(max)`` / ``Partial(min)`` (``amax`` of a whole sharded tensor, an
     inf-norm) holds each rank's own extremum until reduced; torch's backward compares the input with that
     saved value, which DTensor does not reduce first when it is 0-dim, so every rank finds its own extremum
-    and the gradient is wrong (nan / inf where no element matches). A reduction over some dims is right.
+    and the gradient is wrong (nan / inf where no element matches). A reduction over some dims is right, and
+    an op that only passes such a value on (a clone of an input that is already partial) is too.
     """
+    if any(isinstance(x, DTensorProxy) and any(p.is_partial() for p in x.placements) for x in inputs):
+        return None
     for o in outs:
         if isinstance(o, DTensorProxy) and o.ndim == 0:
             bad = [p for p in o.placements if p.is_partial() and getattr(p, "reduce_op", "sum") in ("max", "min")]
@@ -414,7 +417,7 @@ def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> N
         cotangents = tuple(_cotangent_or_none(o) for o in outs)
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
-        grads = vjp(args, kwargs, cotangents, diff_indices, distrust=_backward_distrusted(outs))
+        grads = vjp(args, kwargs, cotangents, diff_indices, distrust=_backward_distrusted(flat_inputs, outs))
         if all(grad is None for grad in grads):
             # torch's backward leaves every gradient undefined (a norm with ord=0), yet its output requires
             # grad: a kept no-op gives thunder a backward, so `backward()` runs and leaves `.grad` None

@@ -214,3 +214,28 @@ def test_programs_eager_runs_are_not_rewritten():
     assert HOW_OPS_RAN == {}
     names = _prim_names(thunder.last_traces(result.jitted)[0])
     assert not any("_decomposed_" in n or "_replicated_" in n for n in names), names
+
+
+@pytest.mark.world_size(2, 4)
+def test_writes_are_never_rewritten():
+    """A rewritten op is functional: an in-place call or an ``out=`` argument keeps its error (no lost write)."""
+    fulls = [make_full((4, 10), seed=2), make_full((3, 4, 5), seed=3), make_full((3, 5, 10), seed=4)]
+    placements = [[Shard(0)], [Replicate()], [Replicate()]]
+    a, b, c = (_dt(f, p, requires_grad=False) for f, p in zip(fulls, placements))
+    out = _dt(torch.zeros(4, 10), [Shard(0)], requires_grad=False)
+
+    def addbmm_out(a, b, c, o):
+        torch.addbmm(a, b, c, out=o)
+        return o
+
+    if eager_error(DTensorCase(torch.addbmm, fulls, placements)) is not None:
+        with pytest.raises(DTensorOpError, match="out= argument"):
+            thunder.jit(addbmm_out)(a, b, c, out)
+
+    def sigmoid_in_place(y):
+        torch.sigmoid_(y)  # a torch function thunder has no symbol for, in place
+        return y
+
+    y = _dt(make_full((4, 6), seed=15), [Shard(0)], requires_grad=False)
+    with pytest.raises(NotImplementedError):  # thunder's own error, as for plain tensors: no silent no-op
+        thunder.jit(sigmoid_in_place)(y)

@@ -24,7 +24,7 @@ from thunder_dtensor.proxy import DTensorProxy
 
 import torch
 
-__all__ = ["fallback_prim", "register_fallbacks", "FALLBACK_PRIMS"]
+__all__ = ["FallbackSymbol", "fallback_name", "fallback_prim", "register_fallbacks", "FALLBACK_PRIMS"]
 
 #: torch function -> its fallback prim, for the ops that have been used on DTensors so far
 FALLBACK_PRIMS: dict[Callable, ti.Symbol] = {}
@@ -41,7 +41,7 @@ _NAMESPACES: tuple[tuple[Any, str], ...] = (
 )
 
 
-def _fallback_name(torch_fn: Callable) -> str:
+def fallback_name(torch_fn: Callable) -> str:
     """The prim name of ``torch_fn``: its namespace and name (``torch.sum`` -> ``torch_sum``).
 
     Derived from the callable alone, so a program's trace reads the same on every rank and in every process,
@@ -64,22 +64,22 @@ def fallback_prim(torch_fn: Callable) -> ti.Symbol:
     """The dtensor prim for ``torch_fn``, made on first use (one per torch function)."""
     prim = FALLBACK_PRIMS.get(torch_fn)
     if prim is None:
-        prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(_fallback_name(torch_fn), torch_fn)
+        prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(fallback_name(torch_fn), torch_fn)
     return prim
 
 
-class _FallbackSymbol:
+class FallbackSymbol:
     """Calls the fallback prim of one torch function (created lazily, so unused ops cost nothing)."""
 
     def __init__(self, torch_fn: Callable) -> None:
         self.torch_fn = torch_fn
-        self.name = f"dtensor_{_fallback_name(torch_fn)}"
+        self.name = f"dtensor_{fallback_name(torch_fn)}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # where DTensor has no sharding rule: the op decomposed, else on replicated inputs (ops/no_rule.py)
         return call_or_rewrite(
             fallback_prim(self.torch_fn),
-            _fallback_name(self.torch_fn),
+            fallback_name(self.torch_fn),
             self.torch_fn,
             args,
             kwargs,
@@ -141,7 +141,7 @@ def _not_supported_by_thunder(torch_fn: Callable) -> Callable:
 
 def _dispatcher_for_unknown(torch_fn: Callable) -> DTensorDispatcher:
     """A torch function thunder has no symbol for: its fallback prim on DTensors, thunder's error otherwise."""
-    dispatcher = DTensorDispatcher(_not_supported_by_thunder(torch_fn), _FallbackSymbol(torch_fn))
+    dispatcher = DTensorDispatcher(_not_supported_by_thunder(torch_fn), FallbackSymbol(torch_fn))
     DISPATCH_TABLE[torch_fn] = dispatcher
     return dispatcher
 
@@ -168,7 +168,7 @@ def register_fallbacks() -> int:
         if name in _METADATA_METHODS and isinstance(single, ti.Symbol):
             dtensor_symbol: Any = ti.accept_dtensor_proxies(single)
         else:
-            dtensor_symbol = _FallbackSymbol(torch_fn)
+            dtensor_symbol = FallbackSymbol(torch_fn)
         dispatcher = DTensorDispatcher(single, dtensor_symbol)
         ti.register_torch_function(torch_fn, dispatcher)
         DISPATCH_TABLE[torch_fn] = dispatcher
@@ -186,7 +186,7 @@ def register_fallbacks() -> int:
         elif method_name in _METADATA_METHODS and isinstance(single, ti.Symbol):
             dispatcher = DTensorDispatcher(single, ti.accept_dtensor_proxies(single))
         else:
-            dispatcher = DTensorDispatcher(single, _FallbackSymbol(torch_fn))
+            dispatcher = DTensorDispatcher(single, FallbackSymbol(torch_fn))
         ti.register_method(method_name, dispatcher)
         count += 1
     return count

@@ -2,12 +2,14 @@
 
 DTensor's rule gives such a loss ``Partial(avg)``: each rank's own weighted mean, averaged over ranks. That
 is the global mean only when every rank's denominator (the summed class weights of its targets that are
-not ``ignore_index``) is the same, which depends on the targets: with class weights, ``ignore_index``
-padding or uneven shards eager DTensor returns a wrong loss, silently (or, for uneven shards of the
-batch, refuses it). Here the loss is the sum-reduced
-loss over that denominator, both ``Partial(sum)`` and computed by DTensor's own rules:
+not ``ignore_index``) is the same, which depends on the targets: with class weights or ``ignore_index``
+padding eager DTensor returns a wrong loss, silently (an unevenly sharded batch it refuses). Here the loss is
+the sum-reduced loss over that denominator, both ``Partial(sum)`` and computed by DTensor's own rules:
 ``loss(..., reduction="sum") / nll_loss(-1, target, weight, ignore_index, reduction="sum")`` (torch's mean,
-label smoothing included, divides by exactly that sum). Every other call is the generic per-op prim.
+label smoothing included, divides by exactly that sum), the count and the division in float32. Where eager
+is right (no weights, no ignored target) this still changes its program: the output is ``Partial(sum)``
+instead of ``Partial(avg)``, with one more all-reduce (of the count), since which targets are ignored is only
+known at run time. Every other call is the generic per-op prim.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE, register_function_for_dtensor
 from thunder_dtensor.errors import DTensorOpError
-from thunder_dtensor.ops.fallback import _fallback_name, _FallbackSymbol, fallback_prim
-from thunder_dtensor.ops.pointwise import dtensor_div_prim
+from thunder_dtensor.ops.fallback import FallbackSymbol, fallback_name, fallback_prim
+from thunder_dtensor.ops.pointwise import dtensor_convert_element_type_prim, dtensor_div_prim
 from thunder_dtensor.primitive import define_dtensor_symbol, propagated_fakes
 from thunder_dtensor.proxy import DTensorProxy
 
@@ -32,7 +34,7 @@ __all__ = ["mean_is_per_rank"]
 
 def mean_is_per_rank(torch_fn: Callable, args: tuple, kwargs: dict) -> bool:
     """Whether DTensor would return this loss as ``Partial(avg)`` of per-rank means (see the docstring), or
-    refuses the mean for that reason (unevenly sharded batch) where the global sum over the count is right."""
+    rejects the mean on well-formed inputs (an unevenly sharded batch): the sum over the count is exact then too."""
     try:
         out = propagated_fakes(fallback_prim(torch_fn).name, torch_fn, args, kwargs)
     except DTensorOpError as error:
@@ -40,9 +42,13 @@ def mean_is_per_rank(torch_fn: Callable, args: tuple, kwargs: dict) -> bool:
     return isinstance(out, ti.DTensor) and any(p.is_partial() and p.reduce_op == "avg" for p in out.placements)
 
 
+def _to(x: Any, dtype: Any) -> Any:
+    return x if x is None or x.dtype == dtype else dtensor_convert_element_type_prim(x, dtype)
+
+
 def _class_index_mean_loss(torch_fn: Callable) -> Callable:
     signature = inspect.signature(torch_fn)
-    generic = _FallbackSymbol(torch_fn)
+    generic = FallbackSymbol(torch_fn)
 
     def loss(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
@@ -60,13 +66,17 @@ def _class_index_mean_loss(torch_fn: Callable) -> Callable:
         ):
             return generic(*args, **kwargs)
         total = generic(**{**a, "reduction": "sum"})
-        minus_ones = DISPATCH_TABLE[torch.full_like].dtensor_symbol(a["input"], -1.0)
-        denominator = _FallbackSymbol(F.nll_loss)(
-            minus_ones, target, a["weight"], ignore_index=a["ignore_index"], reduction="sum"
+        # the count and the division in float32 at least, as torch's kernel accumulates and divides
+        compute = ti.dtypes.float64 if total.dtype == ti.dtypes.float64 else ti.dtypes.float32
+        minus_ones = DISPATCH_TABLE[torch.full_like].dtensor_symbol(
+            a["input"], -1.0, dtype=ti.dtypes.to_torch_dtype(compute)
         )
-        return dtensor_div_prim(total, denominator)
+        denominator = FallbackSymbol(F.nll_loss)(
+            minus_ones, target, _to(a["weight"], compute), ignore_index=a["ignore_index"], reduction="sum"
+        )
+        return _to(dtensor_div_prim(_to(total, compute), denominator), total.dtype)
 
-    loss.__name__ = f"dtensor_{_fallback_name(torch_fn)}_mean"
+    loss.__name__ = f"dtensor_{fallback_name(torch_fn)}_mean"
     return loss
 
 

@@ -18,7 +18,8 @@ trace time, in this order:
 Random ops are never rewritten (their numbers would not be eager DTensor's): they raise. Ops whose output
 shape depends on the data cannot be traced, so they raise too. Gradients follow the same order: a generic
 vjp DTensor rejects is rewritten the same way (:func:`call_or_rewrite` is called from the generic grad rule).
-A program eager DTensor runs never reaches this module: rewriting starts only where DTensor refused.
+Rewriting starts only where DTensor refused, or where its rules are known to compute an op wrongly (the
+``distrust`` reason of :func:`call_or_rewrite`); ``ops/losses.py`` has the other such case.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.primitive import (
     REWRITTEN_PRIMS,
-    RUNTIME_FNS,
     define_dtensor_prim,
     propagated_fakes,
     to_torch_value,
@@ -124,6 +124,9 @@ def _plain_program(name: str, source: Callable, decompose: bool, flat: list, tre
                 raise _NotRewritable(f"its output shape depends on the data ({type(e).__name__})") from e
             except Exception as e:
                 raise _NotRewritable(f"it fails on plain tensors ({type(e).__name__}: {str(e)[:160]})") from e
+        writes = sorted({str(n.target) for n in gm.graph.nodes if ti.writes_into_an_input(n)})
+        if writes:
+            raise _NotRewritable(f"it writes into its inputs ({', '.join(writes)}), which a rewritten op would not")
         random = sorted({str(n.target) for n in gm.graph.nodes if ti.is_random_op(n.target)})
         if random:
             raise _NotRewritable(
@@ -146,17 +149,24 @@ def _or_reason(build: Callable) -> Any:
         return e
 
 
-class _Decomposed:
-    """Runs ``source`` as its decomposed aten program: each aten op goes through DTensor's dispatch."""
+#: the decomposed programs traces refer to (by the ``dtensor_program`` argument of a decomposed prim)
+_PROGRAMS: list[Any] = []
+_PROGRAM_IDS: dict[int, int] = {}
 
-    def __init__(self, name: str, source: Callable) -> None:
-        self.name, self.source = name, source
-        self.__name__ = f"{name}_decomposed"
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat, tree = ti.torch_tree_flatten((args, kwargs))
-        program = _plain_program(self.name, self.source, True, flat, tree)
-        return program(*[x for x in flat if isinstance(x, torch.Tensor)])
+def _program_id(program: Any) -> int:
+    """A stable number for ``program``, kept for the process: a trace binds its program at trace time."""
+    key = id(program)
+    if key not in _PROGRAM_IDS:
+        _PROGRAM_IDS[key] = len(_PROGRAMS)
+        _PROGRAMS.append(program)
+    return _PROGRAM_IDS[key]
+
+
+def _decomposed(*args: Any, dtensor_program: int, **kwargs: Any) -> Any:
+    """Runs the decomposed aten program the trace was made with: each aten op goes through DTensor's dispatch."""
+    flat, _ = ti.torch_tree_flatten((args, kwargs))
+    return _PROGRAMS[dtensor_program](*[x for x in flat if isinstance(x, torch.Tensor)])
 
 
 def replicated(torch_fn: Callable) -> Callable:
@@ -240,10 +250,13 @@ def call_or_rewrite(
     try:
         if distrust is not None:
             raise _NotRewritable(reasons.pop())
-        _plain_program(name, source, True, flat, tree)  # raises early for random and data-dependent ops
-        decomposed = _rewrite_prim(name, "decomposition", _Decomposed(name, source), differentiable)
-        _check_traces(decomposed, RUNTIME_FNS[decomposed.name], args, kwargs)
-        out = decomposed(*args, **kwargs)
+        if kwargs.get("out") is not None:
+            raise _NotRewritable("an out= argument, which a rewritten op would not write into")
+        program = _program_id(_plain_program(name, source, True, flat, tree))
+        decomposed = _rewrite_prim(name, "decomposition", _decomposed, differentiable)
+        program_kwargs = {**kwargs, "dtensor_program": program}
+        _check_traces(decomposed, _decomposed, args, program_kwargs)
+        out = decomposed(*args, **program_kwargs)
         _record(name, "decomposition")
         return out
     except (_NotRewritable, DTensorOpError) as e:
@@ -253,6 +266,8 @@ def call_or_rewrite(
         reasons.append(f"the replicated fallback is off ({FALLBACK_OPTION}=False)")
         raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection
     try:
+        if kwargs.get("out") is not None:
+            raise _NotRewritable("an out= argument, which a rewritten op would not write into")
         _plain_program(name, source, False, flat, tree)
         fallback = _rewrite_prim(name, "replicated fallback", replicated_source, differentiable)
         _check_traces(fallback, replicated_source, args, kwargs)
@@ -282,7 +297,8 @@ def call_or_rewrite(
 
 
 def _record(name: str, how: str) -> None:
-    HOW_OPS_RAN[name] = how
+    if HOW_OPS_RAN.get(name) != "replicated fallback":  # an op's calls report the least preferred way
+        HOW_OPS_RAN[name] = how
 
 
 def _with_reasons(error: DTensorOpError, reasons: list[str]) -> DTensorOpError:

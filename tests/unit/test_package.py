@@ -6,7 +6,7 @@ import sys
 import thunder_dtensor  # noqa: F401
 from thunder_dtensor import _integration
 from thunder_dtensor.dispatch import DISPATCH_TABLE
-from thunder_dtensor.ops.fallback import _fallback_name, _FallbackSymbol, fallback_prim
+from thunder_dtensor.ops.fallback import FallbackSymbol, fallback_name, fallback_prim
 from thunder_dtensor.primitive import DTENSOR_PRIMS
 
 import pytest
@@ -28,14 +28,14 @@ def test_thunder_may_be_imported_before_thunder_dtensor(imports):
 
 
 def test_fallback_prim_names_derive_from_the_torch_callable():
-    fallbacks = [fn for fn, d in DISPATCH_TABLE.items() if isinstance(d.dtensor_symbol, _FallbackSymbol)]
+    fallbacks = [fn for fn, d in DISPATCH_TABLE.items() if isinstance(d.dtensor_symbol, FallbackSymbol)]
     assert len(fallbacks) > 300
-    names = [_fallback_name(fn) for fn in fallbacks]
+    names = [fallback_name(fn) for fn in fallbacks]
     assert len(set(names)) == len(names), "two torch callables share a prim name"
     assert all(name.isidentifier() for name in names)
-    assert _fallback_name(torch.sum) == "torch_sum"
-    assert _fallback_name(torch.Tensor.sum) == "Tensor_sum"
-    assert _fallback_name(torch.nn.functional.linear) == "nn_functional_linear"
+    assert fallback_name(torch.sum) == "torch_sum"
+    assert fallback_name(torch.Tensor.sum) == "Tensor_sum"
+    assert fallback_name(torch.nn.functional.linear) == "nn_functional_linear"
     # the family prims (dtensor_sum_to_size_prim, dtensor_mul_prim, ...) never collide with a fallback
     family = {name for name in DTENSOR_PRIMS if not name.endswith("_vjp_prim")}
     assert not family & {f"dtensor_{n}_prim" for n in names}

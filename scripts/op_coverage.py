@@ -54,9 +54,6 @@ Samples plain torch runs that thunder_dtensor does not pass (listed per world si
 - SDPA with `dropout_p > 0` on layouts eager DTensor cannot run: a random sample is compared with eager DTensor
   under one seed, and without eager with plain torch, whose one draw over the full tensor the shards' draws
   on a CPU generator do not reproduce. Where eager runs, thunder_dtensor matches it.
-- `matmul` of empty batched tensors (`[0, 0] @ [5, 0, 0]`) with inputs that require grad: empty tensors are not
-  lowered, and the eager op fails at run time in DTensor's view rule (a division by zero) on a path matmul
-  takes only for inputs that require grad; the trace-time check ran on stand-ins that do not.
 
 """
 

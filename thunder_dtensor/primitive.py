@@ -98,6 +98,15 @@ def _runs_on_fake(torch_fn: Callable, args: tuple, kwargs: dict, stand_in: Calla
     return None
 
 
+def _runtime_like_stand_in(x: Any, fill: Callable = torch.empty) -> Any:
+    """:func:`_stand_in` that requires grad where the proxy does, as the value it stands for does at run time
+    (a CompositeImplicit op such as matmul picks its decomposition, and so DTensor's rules, by it)."""
+    t = _stand_in(x, fill)
+    if isinstance(x, ti.TensorProxy) and x.requires_grad and ti.dtypes.is_inexact_dtype(x.dtype):
+        t.requires_grad_()
+    return t
+
+
 def _plain_stand_in(x: Any) -> Any:
     """A plain tensor of the proxy's global shape: the op without any distribution."""
     if isinstance(x, DTensorProxy):
@@ -171,8 +180,8 @@ def _describe_proxy(x: Any) -> tuple:
     """What a fake stand-in of ``x`` is made of (:func:`_stand_in`): spec, local shape, dtype, device."""
     if isinstance(x, DTensorProxy):
         mesh = describe_value(x.device_mesh)  # its process groups too: DeviceMesh equality leaves them out
-        return ("dtensor", x.meta.spec, mesh, tuple(x.local_shape), x.meta.dtype, x.device)
-    return ("tensor", tuple(x.shape), x.dtype, x.device)
+        return ("dtensor", x.meta.spec, mesh, tuple(x.local_shape), x.meta.dtype, x.device, x.requires_grad)
+    return ("tensor", tuple(x.shape), x.dtype, x.device, x.requires_grad)
 
 
 def _propagation_key(op_name: str, flat: list, tree: Any) -> Any:
@@ -222,16 +231,18 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
         hint = None if structural_hint(args, kwargs) else suggest_fix(torch_fn, args, kwargs)
         return DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}", hint=hint)
 
+    # as at run time, where a prim that is not lowered runs under no_grad on inputs that may require grad
     try:
-        with ti.fake_tensor_mode():
-            fake_args, fake_kwargs = ti.tree_map(_stand_in, (args, kwargs))
+        with ti.fake_tensor_mode(), torch.no_grad():
+            fake_args, fake_kwargs = ti.tree_map(_runtime_like_stand_in, (args, kwargs))
             out = torch_fn(*fake_args, **fake_kwargs)
     except ti.DataDependentOutputException:
         # A few sharding rules read data (vocab-sharded embedding masks ids): run those on real zeros.
         # Every rank traces the same program, so any collective this runs is matched on all ranks.
         try:
-            zero_args, zero_kwargs = ti.tree_map(lambda x: _stand_in(x, torch.zeros), (args, kwargs))
-            out = torch_fn(*zero_args, **zero_kwargs)
+            with torch.no_grad():
+                zero_args, zero_kwargs = ti.tree_map(lambda x: _runtime_like_stand_in(x, torch.zeros), (args, kwargs))
+                out = torch_fn(*zero_args, **zero_kwargs)
         except Exception as e:
             raise rejected(e) from e
     except Exception as e:

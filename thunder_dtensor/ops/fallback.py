@@ -83,14 +83,9 @@ class FallbackSymbol:
             self.torch_fn,
             args,
             kwargs,
-            replicated_source=_replicated(self.torch_fn),
+            replicated_source=replicated(self.torch_fn),
             differentiable=True,
         )
-
-
-@functools.cache
-def _replicated(torch_fn: Callable) -> Callable:
-    return replicated(torch_fn)
 
 
 def _is_in_place(name: str) -> bool:

@@ -38,7 +38,7 @@ from thunder_dtensor.primitive import (
     to_torch_value,
 )
 from thunder_dtensor.proxy import DTensorProxy
-from thunder_dtensor.signature import SignatureCache, Uncacheable, call_signature, describe_value
+from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
 
 import torch
 
@@ -102,10 +102,7 @@ def _plain_program(name: str, source: Callable, decompose: bool, flat: list, tre
         d = _tensor_description(x)
         return ("tensor", d) if d is not None else describe_value(to_torch_value(x))
 
-    try:
-        key = call_signature((name, decompose), flat, tree, describe)
-    except Uncacheable:
-        key = None
+    key = call_signature((name, decompose), flat, tree, describe)  # None: an argument without an exact description
     values = [to_torch_value(x) for x in flat]
 
     def build() -> Any:
@@ -169,10 +166,12 @@ def _decomposed(*args: Any, dtensor_program: int, **kwargs: Any) -> Any:
     return _PROGRAMS[dtensor_program](*[x for x in flat if isinstance(x, torch.Tensor)])
 
 
+@functools.cache
 def replicated(torch_fn: Callable) -> Callable:
     """``torch_fn`` on replicated inputs: DTensors gathered to Replicate, the plain op, Replicate outputs.
 
-    Differentiable under eager DTensor's autograd: a gradient comes back with its input's placements.
+    Differentiable under eager DTensor's autograd: a gradient comes back with its input's placements. One
+    function per ``torch_fn`` (the replicated prim is made with the first).
     """
 
     @functools.wraps(torch_fn)
@@ -247,12 +246,15 @@ def call_or_rewrite(
             if error.structural:  # plain tensors among DTensors, several meshes: the user's to fix
                 raise
             original = error
+    if kwargs.get("out") is not None:
+        reasons.append("not rewritten: an out= argument, which a rewritten op would not write into")
+        raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection
+    plain_checked = False  # the plain program traced: not random, no data-dependent shape, no write into an input
     try:
         if distrust is not None:
             raise _NotRewritable(reasons.pop())
-        if kwargs.get("out") is not None:
-            raise _NotRewritable("an out= argument, which a rewritten op would not write into")
         program = _program_id(_plain_program(name, source, True, flat, tree))
+        plain_checked = True
         decomposed = _rewrite_prim(name, "decomposition", _decomposed, differentiable)
         program_kwargs = {**kwargs, "dtensor_program": program}
         _check_traces(decomposed, _decomposed, args, program_kwargs)
@@ -266,9 +268,8 @@ def call_or_rewrite(
         reasons.append(f"the replicated fallback is off ({FALLBACK_OPTION}=False)")
         raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection
     try:
-        if kwargs.get("out") is not None:
-            raise _NotRewritable("an out= argument, which a rewritten op would not write into")
-        _plain_program(name, source, False, flat, tree)
+        if not plain_checked:  # decomposing changes none of what the check looks for
+            _plain_program(name, source, False, flat, tree)
         fallback = _rewrite_prim(name, "replicated fallback", replicated_source, differentiable)
         _check_traces(fallback, replicated_source, args, kwargs)
         out = fallback(*args, **kwargs)

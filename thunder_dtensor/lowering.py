@@ -31,6 +31,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.primitive import (
     DTENSOR_PRIMS,
     GENERIC_VJP_NAMES,
+    GRADIENT_SOURCES,
     NOT_LOWERED,
     REWRITTEN_PRIMS,
     RUNTIME_FNS,
@@ -105,6 +106,12 @@ def _meta_by_fake_run(overload: Any) -> Callable:
         return _output_proxies(ti.get_tracectx(), val)
 
     return meta
+
+
+def _remember_meta(overload: Any, args: tuple, kwargs: dict, val: Any) -> None:
+    """Keep the traced node's fake outputs as the meta's answer for this call: the executors' claim of the
+    emitted op then runs no fake op again (its output shapes and dtypes are the traced ones)."""
+    LOCAL_META_CACHE.remember(_meta_key(overload, args, kwargs), val)
 
 
 def _symbol_name(overload: Any) -> str:
@@ -408,12 +415,7 @@ class _Lowering:
         """The metadata of ``x``'s local value: as made, or as an unwrap will read it."""
         if x.name in self.local:
             return dataclasses.replace(self.fake[self.local[x.name].name], spec=self.spec_of(x))
-        spec = self.spec_of(x)
-        dtype, device = x.meta.dtype, ti.devices.to_torch_device(x.device)
-        if x.name in self.guarded:
-            return _Input(spec, x.local_shape, x.meta.local_stride, dtype, device)
-        shape = ti.local_shape_on(tuple(x.shape), spec.mesh, tuple(spec.placements))
-        return _Input(spec, shape, contiguous_stride(shape), dtype, device)
+        return _dtensor_info(x, self.spec_of(x), x.meta.local_stride if x.name in self.guarded else None)
 
     def local_of(self, x: DTensorProxy) -> ti.TensorProxy:
         if x.name in self.local:
@@ -436,9 +438,7 @@ class _Lowering:
         with ti.tracectx(self.trace):
             out = ti.TensorProxy(like=x, requires_grad=False)
         self.bsyms.append(local_contiguous.bind(x, output=out))
-        shape = tuple(x.shape)
-        dtype, device = ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
-        info = _Input(None, shape, contiguous_stride(shape), dtype, device)
+        info = _contiguous_info(x)
         self.fake[out.name] = info
         return out, info
 
@@ -512,12 +512,7 @@ class _Lowering:
     def _cotangent_info(self, c: Any) -> _Input:
         if isinstance(c, DTensorProxy):
             return self.local_info(c)
-        shape = tuple(c.shape)
-        info = self.fake.get(c.name)
-        if info is not None:
-            return info
-        dtype, device = ti.dtypes.to_torch_dtype(c.dtype), ti.devices.to_torch_device(c.device)
-        return _Input(None, shape, contiguous_stride(shape), dtype, device)
+        return self.fake.get(c.name) or _contiguous_info(c)
 
     def lower_forward(self, bsym: ti.BoundSymbol) -> None:
         runtime_fn = RUNTIME_FNS[bsym.sym.name]
@@ -566,13 +561,8 @@ class _Lowering:
         ti.check(all(i in positions for i in diff_indices), lambda: "lowering: a gradient of a non-tensor")
         outputs = [o for o in ti.tree_flatten(fwd.output)[0] if _is_tensor_proxy(o)]
         cot_positions = [i for i, c in enumerate(cotangents) if c is not None]
-        assumed = [_assumed_cotangent_info(outputs[i], cotangents[i]) for i in cot_positions]
-        joint = _joint_function(RUNTIME_FNS[name], flat, tree, infos, cot_positions, assumed, diff_indices)
-        first = _trace(
-            _key("joint", name, flat, tree, infos, (tuple(assumed), diff_indices)),
-            joint,
-            [i for _, i in infos] + assumed,
-        )
+        assumed = [_assumed_cotangent_info(cotangents[i]) for i in cot_positions]
+        first = _trace_joint(name, flat, tree, infos, cot_positions, assumed, diff_indices)
         n = first.n_forward
         _check_outputs(outputs, first.specs[:n], name)
         proxies, _, _ = self._inputs(flat)
@@ -588,9 +578,7 @@ class _Lowering:
             actual = [self._cotangent_info(cotangents[i]) for i in cot_positions]
             traced, graph_env, fwd_nodes = first, env, forward_nodes
             if actual != assumed:
-                again = _joint_function(RUNTIME_FNS[name], flat, tree, infos, cot_positions, actual, diff_indices)
-                key = _key("joint", name, flat, tree, infos, (tuple(actual), diff_indices))
-                traced = _trace(key, again, [i for _, i in infos] + actual)
+                traced = _trace_joint(name, flat, tree, infos, cot_positions, actual, diff_indices)
                 matched = _match_forward(first, traced, env)
                 if matched is None:  # the forward traced differently: emit it again (a recomputation)
                     graph_env, fwd_nodes = dict(zip(_placeholders(traced.graph), proxies)), set()
@@ -628,6 +616,7 @@ class _Lowering:
                     kwargs = {**kwargs, "mesh_dim": _mesh_dim(node, meshes)}
             else:
                 sym = local_op_symbol(node.target)
+            _remember_meta(node.target, args, kwargs, node.meta["val"])
             self.bsyms.append(sym.bind(*args, output=output, **kwargs))
             env[node] = output
             self._record_fakes(output, node.meta["val"])
@@ -668,15 +657,82 @@ def _with_spec(x: DTensorProxy, spec: Any) -> DTensorProxy:
     return DTensorProxy(meta=DTensorMeta.from_spec(spec, shape), device=x.device, requires_grad=x.requires_grad)
 
 
-def _assumed_cotangent_info(output: Any, cotangent: Any) -> _Input:
+def _assumed_cotangent_info(cotangent: Any) -> _Input:
     """The cotangent thunder traced the backward for: its output's cotangent spec, contiguous."""
     if isinstance(cotangent, DTensorProxy):
-        spec = cotangent.meta.spec
-        shape = ti.local_shape_on(tuple(cotangent.shape), spec.mesh, tuple(spec.placements))
-        dtype = cotangent.meta.dtype
-    else:
-        spec, shape, dtype = None, tuple(cotangent.shape), ti.dtypes.to_torch_dtype(cotangent.dtype)
-    return _Input(spec, shape, contiguous_stride(shape), dtype, ti.devices.to_torch_device(cotangent.device))
+        return _dtensor_info(cotangent, cotangent.meta.spec, None)
+    return _contiguous_info(cotangent)
+
+
+def _dtensor_info(x: DTensorProxy, spec: Any, local_stride: tuple[int, ...] | None) -> _Input:
+    """A DTensor argument's local metadata under ``spec``: ``local_stride`` where known, else contiguous."""
+    dtype, device = x.meta.dtype, ti.devices.to_torch_device(x.device)
+    if local_stride is not None:
+        return _Input(spec, x.local_shape, local_stride, dtype, device)
+    shape = ti.local_shape_on(tuple(x.shape), spec.mesh, tuple(spec.placements))
+    return _Input(spec, shape, contiguous_stride(shape), dtype, device)
+
+
+def _contiguous_info(x: ti.TensorProxy) -> _Input:
+    """A plain tensor argument whose strides nothing fixes: it is made contiguous where it enters lowered code."""
+    shape, dtype, device = tuple(x.shape), ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
+    return _Input(None, shape, contiguous_stride(shape), dtype, device)
+
+
+def joint_gradients(vjp_name: str, vjp_args: tuple) -> tuple | None:
+    """A generic vjp's gradients as fake values, from the joint trace its lowering will use (kept in
+    :data:`GRAPH_CACHE`): the vjp's meta and its lowering then trace DTensor's backward of the op once, not twice.
+
+    The trace is made with the local metadata the lowering will most likely see: the proxies' local strides
+    (a program input's are guarded; sharding propagation recorded the others) and contiguous cotangents. Where
+    the lowering sees other metadata its exact key misses and it traces afresh. None where the lowering would
+    not trace this call (lowering off, the op kept eager, an empty tensor) or the trace fails: the vjp's own
+    fake run answers then, and raises DTensor's rejection as before.
+    """
+    name = vjp_name.removesuffix("_vjp_prim") + "_prim"
+    if not lowering_enabled() or name in NOT_LOWERED or name not in RUNTIME_FNS:
+        return None
+    args, kwargs, cotangents, diff_indices = vjp_args
+    flat, tree = ti.torch_tree_flatten((args, kwargs))
+    if any(_is_tensor_proxy(x) and 0 in tuple(x.shape) for x in (*flat, *cotangents)):
+        return None
+    infos = [
+        (i, _dtensor_info(x, x.meta.spec, x.meta.local_stride) if isinstance(x, DTensorProxy) else _contiguous_info(x))
+        for i, x in enumerate(flat)
+        if _is_tensor_proxy(x)
+    ]
+    cot_positions = [i for i, c in enumerate(cotangents) if c is not None]
+    assumed = [_assumed_cotangent_info(cotangents[i]) for i in cot_positions]
+    try:
+        traced = _trace_joint(name, flat, tree, infos, cot_positions, assumed, diff_indices)
+    except NotLowerable:
+        return None
+    nodes = _output_nodes(traced.graph)[traced.n_forward :]
+    specs = traced.specs[traced.n_forward :]
+    if len(nodes) != len(diff_indices):
+        return None
+    return tuple(
+        None if node is None else node.meta["val"] if spec is None else ti.dtensor_around(node.meta["val"], spec)
+        for node, spec in zip(nodes, specs)
+    )
+
+
+def _trace_joint(
+    name: str,
+    flat: list,
+    tree: Any,
+    infos: list[tuple[int, _Input]],
+    cot_positions: list[int],
+    cot_infos: list[_Input],
+    diff_indices: tuple,
+) -> _Traced:
+    """The (cached) joint trace of prim ``name`` on these arguments, cotangents and differentiated inputs."""
+    joint = _joint_function(RUNTIME_FNS[name], flat, tree, infos, cot_positions, cot_infos, diff_indices)
+    key = _key("joint", name, flat, tree, infos, (tuple(cot_infos), diff_indices))
+    return _trace(key, joint, [i for _, i in infos] + cot_infos)
+
+
+GRADIENT_SOURCES.append(joint_gradients)
 
 
 def _joint_function(
@@ -808,7 +864,10 @@ def place_waits_late(bsyms: list) -> list:
 
 
 def _alias_local(value: ti.TensorProxy, proxy: ti.TensorProxy) -> ti.BoundSymbol:
-    return local_op_symbol(torch.ops.aten.alias.default).bind(value, output=proxy)
+    alias = torch.ops.aten.alias.default
+    with ti.fake_tensor_mode():
+        _remember_meta(alias, (value,), {}, _fake_of(value))  # an alias is its input's shape, dtype and device
+    return local_op_symbol(alias).bind(value, output=proxy)
 
 
 def _value(info: _Input, local: torch.Tensor) -> Any:

@@ -106,15 +106,23 @@ class SignatureCache:
         except KeyError:
             self.misses += 1
             value = compute()
-            if keep is not None and not keep(value):
-                return value
-            self._entries[key] = value
-            if len(self._entries) > self.maxsize:
-                self._entries.popitem(last=False)
+            if keep is None or keep(value):
+                self._store(key, value)
             return value
         self.hits += 1
         self._entries.move_to_end(key)
         return value
+
+    def remember(self, key: Hashable | None, value: Any) -> None:
+        """Store ``value`` for ``key`` (None: not cacheable) where nothing is stored yet: an answer worked out
+        elsewhere, so neither a hit nor a miss."""
+        if key is not None and key not in self._entries:
+            self._store(key, value)
+
+    def _store(self, key: Hashable, value: Any) -> None:
+        self._entries[key] = value
+        if len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
 
     def clear(self) -> None:
         self._entries.clear()

@@ -7,12 +7,12 @@ still equal eager DTensor's, also for a ``PrepareModuleInput`` subclass that ove
 interpreted). Sharding propagation
 and lowering results are cached by call signature: a model with three identical layers works out exactly as
 many distinct calls as the same model with two, and a different spec or local shape misses the cache and gets
-its own (correct) result.
+its own (correct) result; thunder's executor passes take a lowered op's output metadata from its trace.
 """
 
 import copy
 
-from thunder_dtensor.lowering import GRAPH_CACHE
+from thunder_dtensor.lowering import GRAPH_CACHE, LOCAL_META_CACHE
 from thunder_dtensor.primitive import PROPAGATION_CACHE
 from thunder_dtensor.testing import mesh_1d, world_size
 from thunder_dtensor.testing.training import PARITY_TOL as TOL
@@ -164,6 +164,15 @@ def test_identical_layers_are_propagated_and_lowered_once():
         misses[n] = (PROPAGATION_CACHE.misses, GRAPH_CACHE.misses)
         assert PROPAGATION_CACHE.hits > 0 and GRAPH_CACHE.hits > 0
     assert misses[3] == misses[2], f"(propagation, lowering) misses for 2 layers and 3 layers: {misses}"
+
+
+def test_executors_claim_lowered_ops_without_running_them_again():
+    # each emitted local op / collective keeps its traced node's fake outputs as its meta's answer, so thunder's
+    # executor passes (which call every symbol again) run no fake op
+    LOCAL_META_CACHE.clear()
+    _train_step_matches_eager(_layers(2), _sp_plan(2))
+    assert LOCAL_META_CACHE.hits > len(LOCAL_META_CACHE) > 0
+    assert LOCAL_META_CACHE.misses == 0, f"a lowered op's meta ran a fake op again: {LOCAL_META_CACHE}"
 
 
 def test_cache_is_exact_a_different_spec_or_local_shape_misses():

@@ -7,11 +7,13 @@ still equal eager DTensor's, also for a ``PrepareModuleInput`` subclass that ove
 interpreted). Sharding propagation
 and lowering results are cached by call signature: a model with three identical layers works out exactly as
 many distinct calls as the same model with two, and a different spec or local shape misses the cache and gets
-its own (correct) result; thunder's executor passes take a lowered op's output metadata from its trace.
+its own (correct) result; thunder's executor passes take a lowered op's output metadata from its trace, and a
+generic vjp's meta takes its gradients from the joint trace its lowering reuses.
 """
 
 import copy
 
+from thunder_dtensor import primitive
 from thunder_dtensor.lowering import GRAPH_CACHE, LOCAL_META_CACHE
 from thunder_dtensor.primitive import PROPAGATION_CACHE
 from thunder_dtensor.testing import mesh_1d, world_size
@@ -173,6 +175,29 @@ def test_executors_claim_lowered_ops_without_running_them_again():
     _train_step_matches_eager(_layers(2), _sp_plan(2))
     assert LOCAL_META_CACHE.hits > len(LOCAL_META_CACHE) > 0
     assert LOCAL_META_CACHE.misses == 0, f"a lowered op's meta ran a fake op again: {LOCAL_META_CACHE}"
+
+
+@pytest.mark.parametrize("lowering", [True, False])
+def test_a_generic_vjp_and_its_lowering_trace_the_backward_once(monkeypatch, lowering):
+    # with the lowering on, a generic vjp's meta takes its gradients' specs from the joint trace the lowering
+    # then reuses; with it off, the vjp's own fake run answers (and nothing is traced for the lowering)
+    runs = []
+    fake_outputs = primitive._fake_outputs
+
+    def counted(name, *args):
+        runs.append(name)
+        return fake_outputs(name, *args)
+
+    monkeypatch.setattr(primitive, "_fake_outputs", counted)
+    PROPAGATION_CACHE.clear()
+    GRAPH_CACHE.clear()
+    _train_step_matches_eager(_layers(2), _sp_plan(2), dtensor_lowering=lowering)
+    vjp_runs = [name for name in runs if name in primitive.GENERIC_VJP_NAMES]
+    if lowering:
+        assert not vjp_runs, f"generic vjps ran their own fake run: {vjp_runs}"
+        assert GRAPH_CACHE.hits > 0 and GRAPH_CACHE.misses == len(GRAPH_CACHE), GRAPH_CACHE
+    else:
+        assert vjp_runs and GRAPH_CACHE.misses == 0, GRAPH_CACHE
 
 
 def test_cache_is_exact_a_different_spec_or_local_shape_misses():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -47,18 +48,34 @@ def describe_value(x: Any, special: Callable[[Any], Hashable | None] | None = No
         return (type(x).__qualname__, repr(x))
     if ti.DISTRIBUTED_AVAILABLE:
         if isinstance(x, ti.DeviceMesh):
-            # equal meshes may still differ in their process groups, which collectives are issued on
-            try:
-                groups = ti.mesh_group_names(x)
-            except Exception as e:  # a mesh without process groups here
-                raise Uncacheable("a device mesh whose process groups are unknown") from e
-            ranks = tuple(x.mesh.flatten().tolist())
-            return ("mesh", x.device_type, ranks, tuple(x.mesh.shape), x.mesh_dim_names, groups)
+            return _describe_mesh(x)
         if isinstance(x, ti.Placement):
             return (type(x).__qualname__, repr(x))
     if isinstance(x, (ti.dtypes.dtype, ti.devices.Device)):
         return (type(x).__qualname__, repr(x))
     raise Uncacheable(f"no exact description of a {type(x).__qualname__} argument")
+
+
+#: id(mesh) -> (a weak reference to the mesh, its description); a mesh's ranks, shape, dimension names and
+#: process groups never change, and describing one takes ~0.15 ms (process-group lookups), once per argument
+_MESH_DESCRIPTIONS: dict[int, tuple[weakref.ref, Hashable]] = {}
+
+
+def _describe_mesh(mesh: Any) -> Hashable:
+    """A device mesh by its ranks, shape, names and process groups (equal meshes may differ in the last,
+    which collectives are issued on); described once per mesh object."""
+    entry = _MESH_DESCRIPTIONS.get(id(mesh))
+    if entry is not None and entry[0]() is mesh:
+        return entry[1]
+    try:
+        groups = ti.mesh_group_names(mesh)
+    except Exception as e:  # a mesh without process groups here
+        raise Uncacheable("a device mesh whose process groups are unknown") from e
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    description = ("mesh", mesh.device_type, ranks, tuple(mesh.mesh.shape), mesh.mesh_dim_names, groups)
+    key = id(mesh)
+    _MESH_DESCRIPTIONS[key] = (weakref.ref(mesh, lambda _: _MESH_DESCRIPTIONS.pop(key, None)), description)
+    return description
 
 
 def call_signature(op: Hashable, leaves: Iterable, tree: Any, describe_leaf: Callable[[Any], Hashable]) -> Any:

@@ -6,7 +6,12 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 
-__all__ = ["DTensorOpError", "describe_argument", "structural_hint"]
+__all__ = ["DTensorOpError", "describe_argument", "first_line", "structural_hint"]
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (empty if it has none): for one-line reasons."""
+    return (str(error).splitlines() or [""])[0]
 
 
 def describe_argument(x: Any) -> str:

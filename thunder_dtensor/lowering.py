@@ -726,25 +726,8 @@ def _trace_joint(
     cot_infos: list[_Input],
     diff_indices: tuple,
 ) -> _Traced:
-    """The (cached) joint trace of prim ``name`` on these arguments, cotangents and differentiated inputs."""
-    joint = _joint_function(RUNTIME_FNS[name], flat, tree, infos, cot_positions, cot_infos, diff_indices)
-    key = _key("joint", name, flat, tree, infos, (tuple(cot_infos), diff_indices))
-    return _trace(key, joint, [i for _, i in infos] + cot_infos)
-
-
-GRADIENT_SOURCES.append(joint_gradients)
-
-
-def _joint_function(
-    runtime_fn: Callable,
-    flat: list,
-    tree: Any,
-    infos: list[tuple[int, _Input]],
-    cot_positions: list[int],
-    cot_infos: list[_Input],
-    diff_indices: tuple,
-) -> Callable:
-    """forward + ``torch.autograd.grad`` of ``runtime_fn`` on DTensors around the local arguments."""
+    """The (cached) joint trace of prim ``name`` on these arguments, cotangents and differentiated inputs:
+    forward + ``torch.autograd.grad`` of its torch operation on DTensors around the local arguments."""
 
     def joint(*locals_: torch.Tensor) -> tuple:
         ins, cots = locals_[: len(infos)], locals_[len(infos) :]
@@ -758,7 +741,8 @@ def _joint_function(
                     leaves[i] = value
                 values[i] = value
             args, kwargs = ti.torch_tree_unflatten(values, tree)
-            outs = [o for o in ti.torch_tree_flatten(runtime_fn(*args, **kwargs))[0] if isinstance(o, torch.Tensor)]
+            out = RUNTIME_FNS[name](*args, **kwargs)
+            outs = [o for o in ti.torch_tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         fwd_locals, fwd_specs = _unwrapped_outputs(outs)
         pairs = [(outs[i], _value(info, cot)) for i, info, cot in zip(cot_positions, cot_infos, cots)]
         pairs = [(o, c) for o, c in pairs if o.requires_grad]
@@ -776,7 +760,11 @@ def _joint_function(
             grad_specs.append(spec)
         return fwd_locals + grad_locals, fwd_specs + grad_specs, len(fwd_locals)
 
-    return joint
+    key = _key("joint", name, flat, tree, infos, (tuple(cot_infos), diff_indices))
+    return _trace(key, joint, [i for _, i in infos] + cot_infos)
+
+
+GRADIENT_SOURCES.append(joint_gradients)
 
 
 def _match_forward(first: _Traced, again: _Traced, env: dict) -> dict | None:

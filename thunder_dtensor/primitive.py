@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.errors import DTensorOpError, structural_hint
+from thunder_dtensor.errors import DTensorOpError, first_line, structural_hint
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy, proxy_for_value
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
@@ -127,10 +127,6 @@ def _replicated_stand_in(replicate: set[int]) -> Callable:
     return stand_in
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [""])[0]
-
-
 def suggest_fix(torch_fn: Callable, args: tuple, kwargs: dict) -> str | None:
     """A hint for an op DTensor rejected, found by asking DTensor (on fake tensors) what it would accept.
 
@@ -143,7 +139,7 @@ def suggest_fix(torch_fn: Callable, args: tuple, kwargs: dict) -> str | None:
         shapes = ", ".join(f"input {i}: {list(t.shape)}" for i, t in enumerate(tensors))
         return (
             f"the op fails on plain tensors of these global shapes too ({shapes}: "
-            f"{type(plain_error).__name__}: {_first_line(plain_error)}); fix the shapes or arguments, "
+            f"{type(plain_error).__name__}: {first_line(plain_error)}); fix the shapes or arguments, "
             "the placements are not the cause"
         )
     sharded = [

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.errors import DTensorOpError
+from thunder_dtensor.errors import DTensorOpError, first_line
 from thunder_dtensor.primitive import (
     REWRITTEN_PRIMS,
     define_dtensor_prim,
@@ -262,7 +262,7 @@ def call_or_rewrite(
         _record(name, "decomposition")
         return out
     except (_NotRewritable, DTensorOpError) as e:
-        reasons.append(f"not decomposable: {str(e).splitlines()[0]}")
+        reasons.append(f"not decomposable: {first_line(e)}")
 
     if not replicated_fallback_enabled():
         reasons.append(f"the replicated fallback is off ({FALLBACK_OPTION}=False)")
@@ -280,7 +280,7 @@ def call_or_rewrite(
                 "(thunder fails on it for plain tensors too): compute it outside the jitted function"
             )
         else:
-            reasons.append(f"not run replicated: {str(e).splitlines()[0]}")
+            reasons.append(f"not run replicated: {first_line(e)}")
         raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection
     _record(name, "replicated fallback")
     placements = _placements(args, kwargs)

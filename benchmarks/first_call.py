@@ -38,12 +38,16 @@ VARIANTS = {
         "torch.compile:sp",
     ),
     "llama": ("jit:unsharded", "jit:tp", "thunderfx:tp", "torch.compile:tp"),
+    "llama4": ("jit:unsharded", "jit:tp", "thunderfx:tp", "torch.compile:tp"),
 }
+#: Llama blocks per model name (a deeper model shows what each further layer costs: its ops hit the caches)
+LLAMA_LAYERS = {"llama": 1, "llama4": 4}
 DESCRIPTIONS = {
     "gpt": "the test suite's GPT (2 blocks, dim 32, seq 8, batch 4, unfused attention on CPU); tp: Megatron-style "
     "plan, sp: with sequence parallelism",
     "llama": "the test suite's Llama 3 (1 block, dim 32, GQA 8/4 heads, RoPE, seq 8, batch 2); tp: torchtitan's "
     "apply_tp plan without loss parallelism",
+    "llama4": "the same Llama 3 with 4 blocks",
 }
 
 
@@ -68,7 +72,7 @@ def worker(spec: str, json_path: str) -> None:
         cfg = GPTConfig(unfused_attention=device_type() == "cpu")
         model, loss, batch = GPT(cfg), loss_fn, 4
     else:
-        cfg = LlamaConfig(layers=1)
+        cfg = LlamaConfig(layers=LLAMA_LAYERS[model_name])
         model, loss, batch = Llama(cfg), llama_loss, 2
     g = torch.Generator().manual_seed(2)
     inputs = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
-    parser.add_argument("--models", default=",".join(VARIANTS), help="comma list of gpt, llama")
+    parser.add_argument("--models", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="fresh processes per thunder variant (median)")
     parser.add_argument("--timeout-s", type=float, default=240.0, help="per variant")

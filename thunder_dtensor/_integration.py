@@ -445,6 +445,17 @@ def fork_rng_of(values: list) -> Any:
     return torch.random.fork_rng(devices=cuda)
 
 
+@functools.cache
+def _trace_time_fake_mode() -> FakeTensorMode:
+    """The one fake tensor mode of this package's trace-time runs.
+
+    Creating a mode walks the whole Python stack (``FakeTensorMode`` records where it was made), which under
+    thunder's interpreter is deep: a fresh mode per run cost about as much as a small op's fake run. Re-entering
+    one mode is supported by torch, and keeps every fake tensor this package caches in the same mode.
+    """
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
 @contextlib.contextmanager
 def fake_tensor_mode() -> Iterator[Any]:
     """Fake tensor mode for trace-time runs of torch ops.
@@ -452,16 +463,8 @@ def fake_tensor_mode() -> Iterator[Any]:
     An op that fails there is reported by this package (as a ``DTensorOpError``); fake tensor's own log of
     the failing meta kernel is muted meanwhile.
     """
-    import logging
-
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            yield mode
-    finally:
-        logger.setLevel(level)
+    with fake_tensor_logging_muted(), _trace_time_fake_mode() as mode:
+        yield mode
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1533,16 +1536,20 @@ def mesh_group_names(mesh: Any) -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def fake_tensor_logging_muted() -> Iterator[None]:
-    """Mute fake tensor's log of failing meta kernels while a trace-time run may fail (we report it)."""
+    """Mute fake tensor's log of failing meta kernels while a trace-time run may fail (we report it).
+
+    The logger is disabled rather than given another level: ``Logger.setLevel`` clears the level cache of every
+    logger in the process (thousands under torch), twice per trace-time run.
+    """
     import logging
 
     logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    disabled = logger.disabled
+    logger.disabled = True
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.disabled = disabled
 
 
 def let_torch_executors_claim(symbol: Symbol, fn: Callable) -> None:

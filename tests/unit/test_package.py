@@ -76,3 +76,27 @@ def test_multi_rank_tests_without_torchrun_fail_with_an_instruction():
     )  # fmt: skip
     assert result.returncode == 4, result.stdout[-2000:]
     assert "torchrun --nproc-per-node 2 -m pytest tests/distributed" in result.stdout + result.stderr
+
+
+def test_trace_time_fake_runs_share_one_mode_and_restore_the_fake_tensor_logger():
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level, disabled = logger.level, logger.disabled
+    with _integration.fake_tensor_mode() as mode:
+        assert logger.disabled  # fake tensor's own log of a failing kernel is muted while we run ops
+        outer = torch.empty(2, 3)
+        assert _integration.is_fake(outer)
+        with _integration.fake_tensor_mode() as nested:
+            assert nested is mode
+            assert (outer + torch.empty(2, 3)).shape == (2, 3)  # tensors of nested runs mix: one mode
+    assert (logger.level, logger.disabled) == (level, disabled)
+    with _integration.fake_tensor_mode() as again:
+        assert again is mode
+    logger.disabled = True  # a user's own muting survives ours
+    try:
+        with _integration.fake_tensor_mode():
+            pass
+        assert logger.disabled
+    finally:
+        logger.disabled = disabled

@@ -1,8 +1,9 @@
 """Lowering: a DTensor program becomes local-tensor ops plus explicit collectives, at trace time.
 
 One whole-program transform over the joint (forward + backward) trace, run just before thunder assigns
-executors. For each dtensor prim, DTensor's own dispatch is traced with ``make_fx`` on fake local tensors
-(``DTensor`` wrappers around them with the prim's input specs): what comes out is the aten ops DTensor runs
+executors. For each dtensor prim, DTensor's own dispatch is traced on fake local tensors (``DTensor`` wrappers
+around them with the prim's input specs; ``_integration.trace_aten_graph``, the graph ``make_fx`` would record,
+at less cost): what comes out is the aten ops DTensor runs
 on the local shards and the ``_c10d_functional`` collectives its redistribution planner issues. Those become
 trace symbols: ``aten_<op>`` (one ATen call each) and the collectives with their mesh dim. Nothing of the
 sharding logic is written here: the decisions are DTensor's.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from thunder_dtensor import _integration as ti
@@ -121,6 +122,10 @@ def _symbol_name(overload: Any) -> str:
     return f"{namespace}_{packet.__name__}{suffix}"
 
 
+#: the ids of every symbol the lowering emits (local ops, collectives, the DTensor boundary)
+EMITTED_SYMBOL_IDS: set[str] = set()
+
+
 @functools.cache
 def local_op_symbol(overload: Any) -> ti.Symbol:
     """The trace symbol of one ATen op on local tensors: run as that single ATen call."""
@@ -130,6 +135,7 @@ def local_op_symbol(overload: Any) -> ti.Symbol:
     op = dtensor_local_ex.register_operator(name, like=sym, fn=overload)
     dtensor_local_ex.register_implementation(sym, op, checker=lambda *a, **k: True)
     ti.let_torch_executors_claim(sym, overload)  # plain local math: thunder's fusion executors may take it
+    EMITTED_SYMBOL_IDS.add(sym.id)
     return sym
 
 
@@ -150,6 +156,7 @@ def collective_symbol(overload: Any) -> ti.Symbol:
     op = dtensor_comm_ex.register_operator(name, like=sym, fn=run)
     dtensor_comm_ex.register_implementation(sym, op, checker=lambda *a, **k: True)
     COLLECTIVE_SYMBOLS[name] = sym
+    EMITTED_SYMBOL_IDS.add(sym.id)
     return sym
 
 
@@ -186,6 +193,7 @@ def _boundary_symbol(name: str, fn: Callable, meta: Callable) -> ti.Symbol:
     sym = ti.make_prim(f"thunder_dtensor.comm.{name}", name, meta=meta)
     op = dtensor_comm_ex.register_operator(name, like=sym, fn=fn)
     dtensor_comm_ex.register_implementation(sym, op, checker=lambda *a, **k: True)
+    EMITTED_SYMBOL_IDS.add(sym.id)
     return sym
 
 
@@ -209,11 +217,6 @@ class _Input:
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-
-
-def _fake_local(inp: _Input) -> torch.Tensor:
-    # make_fx (tracing_mode="fake") turns these into fake tensors of the same shape and strides
-    return torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=inp.device)
 
 
 def _unwrapped_outputs(outs: Any) -> tuple[list, list]:
@@ -261,21 +264,22 @@ def _trace_uncached(fn: Callable, inputs: list[_Input]) -> _Traced:
 
     def traced(*locals_: torch.Tensor) -> list:
         outs, out_specs, count = fn(*locals_)
-        specs.extend(out_specs)
-        n_forward.append(count)
+        specs[:] = out_specs  # (a second run, when the recorder hands the trace to make_fx, replaces the first)
+        n_forward[:] = [count]
         return outs
 
     try:
         # the caller's autocast (thunder compiles inside the user's call) must not cast what is traced here
         with ti.fake_tensor_logging_muted(), ti.no_ambient_autocast():
-            gm = ti.make_fx(traced, tracing_mode="fake")(*[_fake_local(i) for i in inputs])
-        if _has_mutation(gm.graph):  # in-place ops on fresh values (an op run on a copy): made out of place
-            _out_of_place(gm.graph)
+            graph = ti.trace_aten_graph(traced, [(i.shape, i.stride, i.dtype, i.device) for i in inputs])
+        if _has_mutation(graph):  # in-place ops on fresh values (an op run on a copy): made out of place
+            _out_of_place(graph)
+        _drop_identity_views(graph)
     except NotLowerable:
         raise
     except Exception as e:
         raise NotLowerable(f"DTensor's dispatch could not be traced ({type(e).__name__}: {str(e)[:120]})") from e
-    result = _Traced(gm.graph, n_forward[0], specs)
+    result = _Traced(graph, n_forward[0], specs)
     _check_graph(result.graph)
     return result
 
@@ -605,9 +609,6 @@ class _Lowering:
             if node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
                 continue
-            if node.target in _IDENTITY_OPS or _is_identity_view(node):  # detach, alias, a view onto itself
-                env[node] = env[node.args[0]]
-                continue
             args, kwargs = _to_trace_arg(tuple(node.args), env), _to_trace_arg(dict(node.kwargs), env)
             output = _output_proxies(self.trace, node.meta["val"])
             if ti.is_functional_collective(node.target):
@@ -807,26 +808,48 @@ def _key(kind: str, name: str, flat: list, tree: Any, infos: list[tuple[int, _In
     return call_signature((kind, name, extra), list(enumerate(flat)), tree, describe)
 
 
-_IDENTITY_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
-
-
-def _is_identity_view(node: Any) -> bool:
-    """A view whose result is its input as it is (``view`` to the same shape): no call needed."""
-    if not _is_view(node) or node.target._schema.is_mutable or not node.args:
-        return False
-    source = node.args[0]
-    before = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-    after = node.meta.get("val")
-    if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
-        return False
+def _same_view(before: Any, after: Any) -> bool:
+    """Whether two tensors of one storage are the same view of it (shape, strides, offset, dtype, lazy bits)."""
     return (
-        before.shape == after.shape
+        isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.shape == after.shape
         and before.stride() == after.stride()
         and before.storage_offset() == after.storage_offset()
         and before.dtype == after.dtype
         and before.is_conj() == after.is_conj()  # _conj is a view that only flips a bit
         and before.is_neg() == after.is_neg()
     )
+
+
+def _is_pure_view(node: Any) -> bool:
+    return node.op == "call_function" and _is_view(node) and not node.target._schema.is_mutable and bool(node.args)
+
+
+def _drop_identity_views(graph: Any) -> None:
+    """Reads of a view that gives back a tensor it was taken from read that tensor: ``detach``, ``alias``, a
+    ``view`` to the same shape, the second ``t`` of a transpose pair. The graph's values are immutable (in-place
+    ops were made out of place), so the view is that value; the views left without readers are not emitted."""
+    for node in graph.nodes:
+        if not _is_pure_view(node):
+            continue
+        source = node.args[0]
+        while isinstance(source, torch.fx.Node):
+            if _same_view(source.meta.get("val"), node.meta.get("val")):
+                node.replace_all_uses_with(source)
+                break
+            if not _is_pure_view(source):
+                break
+            source = source.args[0]
+
+
+def _claimed(bsyms: list, executors: Sequence[Any]) -> list:
+    """Emitted ops bound to the operators that will run them (see ``lower_dtensor_program``)."""
+    out = []
+    for bsym in bsyms:
+        op = ti.claiming_operator(bsym, executors) if bsym.sym.id in EMITTED_SYMBOL_IDS else None
+        out.append(bsym if op is None else op.bind(*bsym.args, output=bsym.output, **bsym.kwargs))
+    return out
 
 
 def place_waits_late(bsyms: list) -> list:
@@ -983,8 +1006,13 @@ def _flatten(bsyms: list) -> list:
     return out
 
 
-def lower_dtensor_program(trace: ti.TraceCtx) -> ti.TraceCtx:
-    """The lowered trace (see the module docstring); ``trace`` itself if it has no dtensor prims."""
+def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> ti.TraceCtx:
+    """The lowered trace (see the module docstring); ``trace`` itself if it has no dtensor prims.
+
+    Each emitted op is bound to the operator of the executor that will run it (``executors``: the program's, in
+    priority order), as thunder's claiming pass would: that pass then keeps it as it is, instead of calling it
+    again. Ops a fusion executor could take (``torch.compile``'s, when listed) are left for thunder to assign.
+    """
     bsyms = _flatten(list(trace.bound_symbols))
     if not any(b.sym.name in DTENSOR_PRIMS for b in bsyms):
         return trace
@@ -1022,7 +1050,7 @@ def lower_dtensor_program(trace: ti.TraceCtx) -> ti.TraceCtx:
             state.restore(saved)
             state.keep(bsym, str(e))
     new_trace = state.trace
-    new_trace.bound_symbols = place_waits_late(state.bsyms)
+    new_trace.bound_symbols = place_waits_late(_claimed(state.bsyms, executors))
     new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  (see annotate_not_lowered)
     new_trace.set_provenance(ti.TraceProvenance(f"DTensor lowering ({state.lowered} prims lowered)"))
     return new_trace

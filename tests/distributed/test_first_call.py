@@ -8,7 +8,8 @@ interpreted). Sharding propagation
 and lowering results are cached by call signature: a model with three identical layers works out exactly as
 many distinct calls as the same model with two, and a different spec or local shape misses the cache and gets
 its own (correct) result; thunder's executor passes take a lowered op's output metadata from its trace, and a
-generic vjp's meta takes its gradients from the joint trace its lowering reuses.
+generic vjp's meta takes its gradients from the joint trace its lowering reuses. The lowering's light ATen
+recorder gives the graphs ``make_fx`` gives, node for node.
 """
 
 import copy
@@ -75,6 +76,14 @@ def _interpreted_functions(jitted) -> set[str]:
     """Functions whose lines the interpreter stepped through (a call answered by a lookaside has none)."""
     log = thunder.last_interpreter_log(jitted)
     return {item["fn"] for item in log if isinstance(item, dict) and item.get("kind") == "Line"}
+
+
+def _lowered_traces(ref: nn.Module, plan: dict, **jit_kwargs) -> list:
+    """The lowered traces (forward and backward: the first stage after the lowering) of one training step."""
+    model = parallelize_module(copy.deepcopy(ref), mesh_1d(), plan)
+    jitted = thunder.jit(model, **jit_kwargs)
+    jitted(torch.randn(2, 4 * world_size(), 16, generator=torch.Generator().manual_seed(1))).sum().backward()
+    return [thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]]
 
 
 def _train_step_matches_eager(ref: nn.Module, plan: dict, **jit_kwargs) -> set[str]:
@@ -169,10 +178,22 @@ def test_identical_layers_are_propagated_and_lowered_once():
 
 
 def test_executors_claim_lowered_ops_without_running_them_again():
-    # each emitted local op / collective keeps its traced node's fake outputs as its meta's answer, so thunder's
-    # executor passes (which call every symbol again) run no fake op
+    # each emitted op is bound to the executor operator that runs it, so thunder's claiming pass keeps it as it
+    # is; where a fusion executor may take the ops (torch.compile's), they are left to thunder (which fuses them),
+    # and their metas answer from the traced node's fake outputs: no fake op runs again either way
+    from thunder.extend import get_executor
+
     LOCAL_META_CACHE.clear()
-    _train_step_matches_eager(_layers(2), _sp_plan(2))
+    bsyms = [b for t in _lowered_traces(_layers(2), _sp_plan(2)) for b in t.bound_symbols]
+    local_ops = [b for b in bsyms if b.sym.name.startswith("aten_")]
+    assert local_ops and all(b.sym.executor is not None and not b.subsymbols for b in local_ops)
+    assert LOCAL_META_CACHE.hits == LOCAL_META_CACHE.misses == 0, LOCAL_META_CACHE
+
+    LOCAL_META_CACHE.clear()
+    executors = [get_executor("torchcompile"), get_executor("torch")]
+    bsyms = [b for t in _lowered_traces(_layers(2), _sp_plan(2), executors=executors) for b in t.bound_symbols]
+    fused = [s for b in bsyms if b.sym.name.startswith("TorchCompile") for s in b.subsymbols]
+    assert any(s.sym.name.startswith("aten_") for s in fused), "the lowered local math was not fused"
     assert LOCAL_META_CACHE.hits > len(LOCAL_META_CACHE) > 0
     assert LOCAL_META_CACHE.misses == 0, f"a lowered op's meta ran a fake op again: {LOCAL_META_CACHE}"
 
@@ -198,6 +219,53 @@ def test_a_generic_vjp_and_its_lowering_trace_the_backward_once(monkeypatch, low
         assert GRAPH_CACHE.hits > 0 and GRAPH_CACHE.misses == len(GRAPH_CACHE), GRAPH_CACHE
     else:
         assert vjp_runs and GRAPH_CACHE.misses == 0, GRAPH_CACHE
+
+
+def _graph_structure(graph) -> list:
+    """Each node's kind, target, arguments (earlier nodes by position) and value's metadata."""
+    nodes = list(graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+
+    def describe(value):
+        return (tuple(value.shape), value.stride(), value.dtype) if isinstance(value, torch.Tensor) else None
+
+    return [
+        (
+            n.op,
+            n.target,
+            torch.fx.map_arg((n.args, n.kwargs), lambda a: ("node", position[a])),
+            describe(n.meta.get("val")),
+        )
+        for n in nodes
+    ]
+
+
+def test_recorded_graphs_are_the_graphs_make_fx_records(monkeypatch):
+    # the lowering's light ATen recorder must give make_fx's graph, node for node, on a training step with every
+    # kind of lowered op (the sequence-parallel plan: redistributions, norms, linears, their joint backward)
+    from thunder_dtensor import _integration as ti
+
+    make_fx, trace_aten_graph = ti.make_fx, ti.trace_aten_graph
+    compared, handed_to_make_fx = [], []
+
+    def counted_make_fx(fn, **kwargs):
+        handed_to_make_fx.append(fn)
+        return make_fx(fn, **kwargs)
+
+    def compared_with_make_fx(fn, inputs):
+        graph = trace_aten_graph(fn, inputs)
+        expected = make_fx(fn, tracing_mode="fake")(*[torch.empty_strided(*i[:2], dtype=i[2]) for i in inputs])
+        compared.append((_graph_structure(graph), _graph_structure(expected.graph)))
+        return graph
+
+    monkeypatch.setattr(ti, "make_fx", counted_make_fx)
+    monkeypatch.setattr(ti, "trace_aten_graph", compared_with_make_fx)
+    GRAPH_CACHE.clear()
+    _train_step_matches_eager(_layers(2), _sp_plan(2))
+    assert len(compared) == GRAPH_CACHE.misses > 5
+    for recorded, expected in compared:
+        assert recorded == expected
+    assert not handed_to_make_fx, f"{len(handed_to_make_fx)} of {len(compared)} traces were left to make_fx"
 
 
 def test_cache_is_exact_a_different_spec_or_local_shape_misses():

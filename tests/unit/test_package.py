@@ -100,3 +100,30 @@ def test_trace_time_fake_runs_share_one_mode_and_restore_the_fake_tensor_logger(
         assert logger.disabled
     finally:
         logger.disabled = disabled
+
+
+def _graph_ops(graph) -> list:
+    """Each node's kind and target (placeholders are named after the function's parameters by make_fx)."""
+    return [(n.op, None if n.op == "placeholder" else n.target, len(n.args)) for n in graph.nodes]
+
+
+def test_aten_recorder_gives_make_fx_graphs_and_leaves_special_calls_to_make_fx():
+    inputs = [((4, 3), (3, 1), torch.float32, torch.device("cpu")), ((3,), (1,), torch.float32, torch.device("cpu"))]
+    examples = [torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype, _ in inputs]
+
+    def plain(x, b):  # views, a reduction, a multi-output op, an in-place op on a fresh value
+        y = (x + b).t().sum(0)
+        first, _ = torch.split(x, 2)
+        return [y.mul_(2), first, None]
+
+    recorded = _integration.trace_aten_graph(plain, inputs)
+    expected = _integration.make_fx(plain, tracing_mode="fake")(*examples).graph
+    assert _graph_ops(recorded) == _graph_ops(expected)
+    assert all("val" in n.meta for n in recorded.nodes if n.op != "output")
+
+    def with_literal(x, b):  # torch.tensor(...) is a constant make_fx interns: the recorder hands it over
+        return [x * torch.tensor(2.0)]
+
+    graph = _integration.trace_aten_graph(with_literal, inputs)
+    assert torch.ops.aten.lift_fresh_copy.default in [n.target for n in graph.nodes]
+    assert any(n.op == "get_attr" for n in graph.nodes)

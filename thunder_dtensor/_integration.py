@@ -1609,9 +1609,7 @@ def trace_aten_graph(fn: Callable[..., list], inputs: list[tuple]) -> torch.fx.G
     mode = _trace_time_fake_mode()
     recorder = _AtenGraphRecorder()
     with mode:
-        fakes = [
-            torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in inputs
-        ]
+        fakes = _empty_tensors(inputs)
     for i, fake in enumerate(fakes):
         recorder.record(fake, recorder.graph.placeholder(f"arg{i}_1"))
     _RECORDERS.append(recorder)
@@ -1628,10 +1626,12 @@ def trace_aten_graph(fn: Callable[..., list], inputs: list[tuple]) -> torch.fx.G
     if recorder.stopped is None:
         return recorder.graph
     with torch.no_grad():  # make_fx takes real example inputs: allocated with the local (small) shapes
-        examples = [
-            torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in inputs
-        ]
+        examples = _empty_tensors(inputs)
     return make_fx(fn, tracing_mode="fake")(*examples).graph
+
+
+def _empty_tensors(inputs: list[tuple]) -> list[torch.Tensor]:
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in inputs]
 
 
 def torch_tree_map(fn: Callable, tree: Any) -> Any:

@@ -354,7 +354,7 @@ def local_offset(dtensor: Any) -> tuple[int, ...]:
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     spec = dtensor_spec(dtensor)
-    # numbers known from the spec, not traced values (the lowering's make_fx runs this under fake tensors)
+    # numbers known from the spec, not traced values (the lowering's tracing runs this under fake tensors)
     with disable_proxy_modes_tracing(), unset_fake_temporarily(), _recording_suspended():
         offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)[1]
     return tuple(int(o) for o in offset)
@@ -362,7 +362,7 @@ def local_offset(dtensor: Any) -> tuple[int, ...]:
 
 @contextlib.contextmanager
 def outside_tracing_modes() -> Iterator[None]:
-    """Leave any active fake tensor mode and make_fx tracing: for trace-time work on its own tensors."""
+    """Leave any active fake tensor mode and make_fx (or recorder) tracing: for trace-time work on its own tensors."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
@@ -1532,9 +1532,9 @@ class _AtenGraphRecorder(TorchDispatchMode):
 
     ``make_fx`` builds fx proxies, a tracer and a ``GraphModule`` with generated code around each trace; the
     lowering only reads the graph. For the common case (ATen ops on fake tensors the graph made) this records
-    the same graph at under half the cost. Anything ``make_fx`` treats specially (tensor constants, ``torch.tensor``
-    literals, data-dependent ops, CompositeImplicit decompositions, non-tensor results) stops the recording and
-    the call is traced by ``make_fx`` instead: the graphs stay ``make_fx``'s in every case.
+    the same graph at about a third of the cost. Anything ``make_fx`` treats specially (tensor constants,
+    ``torch.tensor`` literals, data-dependent ops, CompositeImplicit decompositions, non-tensor results) stops
+    the recording and the call is traced by ``make_fx`` instead: the graphs stay ``make_fx``'s in every case.
     """
 
     def __init__(self) -> None:

@@ -349,13 +349,11 @@ def dtensor_from_local_unchecked(local: torch.Tensor, spec: Any) -> Any:
 
 def local_offset(dtensor: Any) -> tuple[int, ...]:
     """Where this rank's shard starts in the global tensor, per dim."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     spec = dtensor_spec(dtensor)
     # numbers known from the spec, not traced values (the lowering's tracing runs this under fake tensors)
-    with disable_proxy_modes_tracing(), unset_fake_temporarily(), _recording_suspended():
+    with outside_tracing_modes():
         offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)[1]
     return tuple(int(o) for o in offset)
 

@@ -122,10 +122,6 @@ def _symbol_name(overload: Any) -> str:
     return f"{namespace}_{packet.__name__}{suffix}"
 
 
-#: the ids of every symbol the lowering emits (local ops, collectives, the DTensor boundary)
-EMITTED_SYMBOL_IDS: set[str] = set()
-
-
 @functools.cache
 def local_op_symbol(overload: Any) -> ti.Symbol:
     """The trace symbol of one ATen op on local tensors: run as that single ATen call."""
@@ -135,7 +131,6 @@ def local_op_symbol(overload: Any) -> ti.Symbol:
     op = dtensor_local_ex.register_operator(name, like=sym, fn=overload)
     dtensor_local_ex.register_implementation(sym, op, checker=lambda *a, **k: True)
     ti.let_torch_executors_claim(sym, overload)  # plain local math: thunder's fusion executors may take it
-    EMITTED_SYMBOL_IDS.add(sym.id)
     return sym
 
 
@@ -156,7 +151,6 @@ def collective_symbol(overload: Any) -> ti.Symbol:
     op = dtensor_comm_ex.register_operator(name, like=sym, fn=run)
     dtensor_comm_ex.register_implementation(sym, op, checker=lambda *a, **k: True)
     COLLECTIVE_SYMBOLS[name] = sym
-    EMITTED_SYMBOL_IDS.add(sym.id)
     return sym
 
 
@@ -193,7 +187,6 @@ def _boundary_symbol(name: str, fn: Callable, meta: Callable) -> ti.Symbol:
     sym = ti.make_prim(f"thunder_dtensor.comm.{name}", name, meta=meta)
     op = dtensor_comm_ex.register_operator(name, like=sym, fn=fn)
     dtensor_comm_ex.register_implementation(sym, op, checker=lambda *a, **k: True)
-    EMITTED_SYMBOL_IDS.add(sym.id)
     return sym
 
 
@@ -844,10 +837,12 @@ def _drop_identity_views(graph: Any) -> None:
 
 
 def _claimed(bsyms: list, executors: Sequence[Any]) -> list:
-    """Emitted ops bound to the operators that will run them (see ``lower_dtensor_program``)."""
+    """Emitted ops (the symbols of the lowering's two executors) bound to the operators that will run them (see
+    ``lower_dtensor_program``)."""
     out = []
     for bsym in bsyms:
-        op = ti.claiming_operator(bsym, executors) if bsym.sym.id in EMITTED_SYMBOL_IDS else None
+        emitted = bsym.sym.id in dtensor_local_ex.implmap or bsym.sym.id in dtensor_comm_ex.implmap
+        op = ti.claiming_operator(bsym, executors) if emitted else None
         out.append(bsym if op is None else op.bind(*bsym.args, output=bsym.output, **bsym.kwargs))
     return out
 

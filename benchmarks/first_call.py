@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "gpt": (
         "jit:unsharded",
+        "thunderfx:unsharded",
         "jit:tp",
         "jit:sp",
         "thunderfx:tp",
@@ -37,7 +38,7 @@ VARIANTS = {
         "torch.compile:tp",
         "torch.compile:sp",
     ),
-    "llama": ("jit:unsharded", "jit:tp", "thunderfx:tp", "torch.compile:tp"),
+    "llama": ("jit:unsharded", "thunderfx:unsharded", "jit:tp", "thunderfx:tp", "torch.compile:tp"),
     "llama4": ("jit:unsharded", "jit:tp", "thunderfx:tp", "torch.compile:tp"),
 }
 #: Llama blocks per model name (a deeper model shows what each further layer costs: its ops hit the caches)
@@ -149,23 +150,25 @@ def write_markdown(report: dict, path: Path) -> None:
         f"{report['date']}; {report['nproc']} ranks; {report['machine']}; commit {report['commit']}. "
         "Seconds are the maximum over ranks, the median of the runs listed (each a fresh process); x unsharded: "
         "over the same model unsharded under thunder.jit; x torch.compile: over torch.compile of the same plan "
-        "(fresh inductor cache).",
+        "(fresh inductor cache); x jit: a thunderfx variant over thunder.jit of the same plan.",
         "",
-        "| model | variant | first call s | runs s | x unsharded jit | x torch.compile | loss |",
-        "|---|---|---|---|---|---|---|",
+        "| model | variant | first call s | runs s | x unsharded jit | x torch.compile | x jit | loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for model, rows in report["results"].items():
         ref = rows.get("jit:unsharded", {}).get("first_call_s")
         for variant, r in rows.items():
             if "error" in r:
-                lines.append(f"| {model} | {variant} | error: {r['error'][:120]} | | | | |")
+                lines.append(f"| {model} | {variant} | error: {r['error'][:120]} | | | | | |")
                 continue
             s = r["first_call_s"]
             tc = rows.get(f"torch.compile:{variant.split(':')[1]}", {}).get("first_call_s")
             x_ref = f"{s / ref:.2f}" if ref else ""
             x_tc = f"{s / tc:.2f}" if tc and not variant.startswith("torch.compile") else ""
+            jit = rows.get(f"jit:{variant.split(':')[1]}", {}).get("first_call_s")
+            x_jit = f"{s / jit:.2f}" if jit and variant.startswith("thunderfx") else ""
             runs = ", ".join(f"{t:.2f}" for t in r["runs_s"])
-            lines.append(f"| {model} | {variant} | {s:.2f} | {runs} | {x_ref} | {x_tc} | {r['loss']:.6f} |")
+            lines.append(f"| {model} | {variant} | {s:.2f} | {runs} | {x_ref} | {x_tc} | {x_jit} | {r['loss']:.6f} |")
     lines += ["", *(f"- {m}: {DESCRIPTIONS[m]}" for m in report["results"])]
     reruns = [
         f"- {model} {variant}: a run's process died without a result and was run again ({run['rerun_after'][:160]})"

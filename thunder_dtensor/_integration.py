@@ -1947,3 +1947,144 @@ def call_partials_outside_the_interpreter() -> None:
 
     partial_call._thunder_dtensor = True  # type: ignore[attr-defined]
     lookasides[functools.partial.__call__] = partial_call
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Container accesses and name lookups (thunder 0.2.6 interpreter): first-call time
+# ---------------------------------------------------------------------------------------------------------
+#: the exact container types whose ``[]`` and ``in`` the interpreter dispatches to their own method directly
+_SUBSCRIPTED_CONTAINERS = (dict, list, tuple)
+_SEARCHED_CONTAINERS = (dict, list, tuple, set, frozenset, str)
+#: whether the direct paths are taken (:func:`thunder_interpreter_container_paths` turns them off)
+_DIRECT_CONTAINER_PATHS = [True]
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_instructions(code: types.CodeType) -> tuple:
+    import dis
+
+    return tuple(dis.get_instructions(code))
+
+
+def _dis_disassembling_once_per_code() -> types.ModuleType:
+    """``dis`` as thunder's interpreter module sees it: a code object's instructions are computed once.
+
+    thunder 0.2.6 disassembles a function's code every time it interprets a call of it (``_run_frame``); the
+    instructions of a code object never change, and most calls are of a few dozen codes (its own helpers).
+    """
+    import dis
+
+    view = types.ModuleType("dis")
+    view.__dict__.update(dis.__dict__)
+
+    def get_instructions(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, types.CodeType) and not args and not kwargs:
+            return _code_instructions(x)
+        return dis.get_instructions(x, *args, **kwargs)
+
+    view.get_instructions = get_instructions  # type: ignore[attr-defined]
+    return view
+
+
+@contextlib.contextmanager
+def thunder_interpreter_container_paths() -> Iterator[None]:
+    """Interpret container accesses and name lookups as thunder does (for comparing the two in tests)."""
+    _DIRECT_CONTAINER_PATHS[0] = False
+    try:
+        yield
+    finally:
+        _DIRECT_CONTAINER_PATHS[0] = True
+
+
+def dispatch_container_accesses_directly() -> None:
+    """``d[k]``, ``k in d`` and global / builtin name lookups under ``thunder.jit`` skip thunder's helper frames.
+
+    thunder 0.2.6 runs each of these by interpreting a small Python helper of its own: ``x[k]`` interprets
+    ``getitem_impl`` (``obj.__getitem__(index)``), a global name interprets ``lambda d, k: d[k]`` (two frames,
+    three for a builtin), ``k in x`` interprets a helper that looks up ``hasattr`` / ``getattr`` as globals.
+    Each frame is set up and disassembled anew; these helpers were about three quarters of the instructions
+    interpreted in a Llama's first call. For an exact ``dict`` / ``list`` / ``tuple`` (and for ``in``, ``set``,
+    ``frozenset``, ``str``) the helper's work ends in one call, the type's own ``__getitem__`` /
+    ``__contains__`` on the same wrapped container and key, which the interpreter hands to its provenance-
+    tracking lookaside. This makes that call directly, through the same dispatch: same value, same provenance,
+    same prologue. Other types, interpretation without provenance tracking and a recorded interpreter history
+    take thunder's path. Also, each code object is disassembled once (:func:`_dis_disassembling_once_per_code`).
+    """
+    from thunder.core import interpreter
+
+    handlers = interpreter._default_opcode_handler_map
+    if getattr(handlers["BINARY_SUBSCR"], "_thunder_dtensor", False):
+        return
+    raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+    thunder_subscript = handlers["BINARY_SUBSCR"]
+    thunder_contains = handlers["CONTAINS_OP"]
+    thunder_globals_lookup = interpreter.globals_lookup
+
+    def direct() -> bool:
+        runtime = interpreter.get_interpreterruntimectx()
+        return (
+            _DIRECT_CONTAINER_PATHS[0]
+            and interpreter.get_interpretercompilectx()._with_provenance_tracking
+            and not runtime._record_history
+            and runtime.debug_log is None
+        )
+
+    def call_method(method: Callable, container: Any, *args: Any) -> Any:
+        return interpreter._interpret_call(interpreter.wrap_const(method), container, *args)
+
+    def subscript(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        if (
+            len(stack) < 2
+            or type(interpreter.unwrap(stack.getitem_wrapped(-2))) not in _SUBSCRIPTED_CONTAINERS
+            or not direct()
+        ):
+            return thunder_subscript(inst, stack=stack, **kwargs)
+        key = stack.pop_wrapped()
+        container = stack.pop_wrapped()
+        value = call_method(type(container.value).__getitem__, container, key)
+        if value is raised:
+            return value
+        return interpreter.check_and_append(stack, value)
+
+    def contains(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        if (
+            len(stack) < 2
+            or type(interpreter.unwrap(stack.getitem_wrapped(-1))) not in _SEARCHED_CONTAINERS
+            or not direct()
+        ):
+            return thunder_contains(inst, stack=stack, **kwargs)
+        container = stack.pop_wrapped()
+        item = stack.pop_wrapped()
+        found = call_method(type(container.value).__contains__, container, item)
+        if found is not raised and inst.arg == 1:  # ``not in``, negated as thunder's handler does
+            found = interpreter._interpret_call(lambda result: not result, found)
+        if found is raised:
+            return found
+        stack.append(found)
+        return None
+
+    def globals_lookup(globals_dict: Any, name: Any) -> Any:
+        if not (isinstance(globals_dict, interpreter.WrappedValue) and type(globals_dict.value) is dict and direct()):
+            return thunder_globals_lookup(globals_dict, name)
+        plain_name = interpreter.unwrap(name)
+        if plain_name in globals_dict.value:
+            return call_method(dict.__getitem__, globals_dict, name)
+        builtins = globals_dict.value.get("__builtins__")
+        if not (isinstance(builtins, types.ModuleType) or type(builtins) is dict):
+            return thunder_globals_lookup(globals_dict, name)
+        builtins = call_method(dict.__getitem__, globals_dict, interpreter.wrap_const("__builtins__"))
+        if isinstance(builtins.value, types.ModuleType):
+            value = interpreter._interpret_call(getattr, builtins, name)
+        elif plain_name in builtins.value:
+            value = call_method(dict.__getitem__, builtins, name)
+        else:
+            value = raised
+        if value is raised:
+            return interpreter.do_raise(NameError(f"name '{plain_name}' is not defined"))
+        return value
+
+    subscript._thunder_dtensor = True  # type: ignore[attr-defined]
+    handlers["BINARY_SUBSCR"] = subscript
+    handlers["CONTAINS_OP"] = contains
+    interpreter.globals_lookup = globals_lookup
+    interpreter.dis = _dis_disassembling_once_per_code()

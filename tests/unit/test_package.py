@@ -1,5 +1,6 @@
 """Package-level guarantees: import order, stable prim names, declared versions."""
 
+import re
 import subprocess
 import sys
 
@@ -127,3 +128,77 @@ def test_aten_recorder_gives_make_fx_graphs_and_leaves_special_calls_to_make_fx(
     graph = _integration.trace_aten_graph(with_literal, inputs)
     assert torch.ops.aten.lift_fresh_copy.default in [n.target for n in graph.nodes]
     assert any(n.op == "get_attr" for n in graph.nodes)
+
+
+_OFFSET = 0.25  # a global read by the jitted program below
+
+
+class _KeyedModel(torch.nn.Module):
+    """Module attributes, a ``ModuleDict`` (a dict subclass's reads go thunder's way) and containers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+        self.register_buffer("scale", torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, table: dict, items: list, pair: tuple) -> torch.Tensor:
+        y = self.blocks["a"](x) * table["a"] + items[-1] * pair[0]
+        if "b" in table and 3 not in items and "zz" not in "xyz" and pair[1] in {1, 2}:
+            y = y + len(items[1:]) + abs(pair[1])
+        try:
+            y = y * table["missing"]
+        except KeyError:
+            y = y - _OFFSET
+        return torch.nn.functional.relu(self.blocks["b"](y)) * self.scale
+
+
+def test_direct_container_accesses_trace_what_thunders_own_paths_trace(monkeypatch):
+    """``x[k]`` / ``k in x`` / global names skip thunder's helper frames and change nothing else: the same
+    prologue and computation traces, the same results, and the prologue still checks the values read."""
+    import thunder
+    from thunder.core import interpreter
+
+    frames = [0]
+    run_frame = interpreter._setup_frame_and_run_python_function
+
+    def counting(*args, **kwargs):
+        frames[0] += 1
+        return run_frame(*args, **kwargs)
+
+    monkeypatch.setattr(interpreter, "_setup_frame_and_run_python_function", counting)
+    torch.manual_seed(0)
+    model, x = _KeyedModel(), torch.randn(2, 4)
+    args = ({"a": 2.0, "b": 1}, [1.0, 2.0, 4.0], (3.0, 2))
+    expected = model(x, *args)
+
+    def jit_and_trace():
+        jitted = thunder.jit(model)
+        frames[0] = 0
+        out = jitted(x, *args)
+        traces = [thunder.last_prologue_traces(jitted)[-1], thunder.last_traces(jitted)[0]]
+        traces = [re.sub(r"# Constructed by .*", "", str(t)) for t in traces]  # without the time taken
+        return jitted, out, traces, frames[0]
+
+    with _integration.thunder_interpreter_container_paths():
+        _, thunders_out, thunders_traces, thunders_frames = jit_and_trace()
+    jitted, out, traces, direct_frames = jit_and_trace()
+    torch.testing.assert_close(thunders_out, expected)
+    torch.testing.assert_close(out, expected)
+    assert traces == thunders_traces
+    assert direct_frames < thunders_frames / 2, (direct_frames, thunders_frames)
+    # values read through the direct paths are still inputs the prologue checks
+    changed = ({"a": 3.0, "b": 1}, [1.0, 2.0, 5.0], (3.0, 1))
+    torch.testing.assert_close(jitted(x, *changed), model(x, *changed))
+    assert thunder.cache_misses(jitted) == 2
+
+
+def test_disassembly_is_computed_once_per_code_object():
+    from thunder.core import interpreter
+
+    def f(a: int) -> int:
+        return a + 1
+
+    first = interpreter.dis.get_instructions(f.__code__)
+    assert first is interpreter.dis.get_instructions(f.__code__)
+    assert [i.opname for i in first] == [i.opname for i in __import__("dis").get_instructions(f.__code__)]
+    assert interpreter.dis.Instruction is __import__("dis").Instruction

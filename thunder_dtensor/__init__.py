@@ -44,7 +44,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.read_root_module_state_from_user_module()
     _integration.dispatch_module_calls_outside_the_interpreter()  # first-call time: hook loops run in Python
     _integration.call_partials_outside_the_interpreter()  # and the partials every TP hook calls
-    _integration.dispatch_container_accesses_directly()  # and x[k], k in x, global names: no helper frames
+    _integration.run_interpreter_helpers_directly()  # and x[k], k in x, unpacking, names: no helper frames
 
     from thunder_dtensor import tp_hooks
 

@@ -1950,13 +1950,14 @@ def call_partials_outside_the_interpreter() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Container accesses and name lookups (thunder 0.2.6 interpreter): first-call time
+# thunder's interpreted helpers (thunder 0.2.6 interpreter): first-call time
 # ---------------------------------------------------------------------------------------------------------
-#: the exact container types whose ``[]`` and ``in`` the interpreter dispatches to their own method directly
+#: the exact container types whose ``[]``, ``in`` and unpacking the interpreter dispatches directly
 _SUBSCRIPTED_CONTAINERS = (dict, list, tuple)
 _SEARCHED_CONTAINERS = (dict, list, tuple, set, frozenset, str)
-#: whether the direct paths are taken (:func:`thunder_interpreter_container_paths` turns them off)
-_DIRECT_CONTAINER_PATHS = [True]
+_UNPACKED_SEQUENCES = (list, tuple)
+#: whether the direct paths are taken (:func:`thunders_own_interpreter_paths` turns them off)
+_DIRECT_PATHS = [True]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1987,57 +1988,70 @@ def _dis_disassembling_once_per_code() -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def thunder_interpreter_container_paths() -> Iterator[None]:
-    """Interpret container accesses and name lookups as thunder does (for comparing the two in tests)."""
-    _DIRECT_CONTAINER_PATHS[0] = False
+def thunders_own_interpreter_paths() -> Iterator[None]:
+    """Interpret as thunder does, through its helper frames (for comparing the two in tests)."""
+    _DIRECT_PATHS[0] = False
     try:
         yield
     finally:
-        _DIRECT_CONTAINER_PATHS[0] = True
+        _DIRECT_PATHS[0] = True
 
 
-def dispatch_container_accesses_directly() -> None:
-    """``d[k]``, ``k in d`` and global / builtin name lookups under ``thunder.jit`` skip thunder's helper frames.
+def run_interpreter_helpers_directly() -> None:
+    """Under ``thunder.jit``, do directly what thunder's interpreter does by interpreting helpers of its own.
 
-    thunder 0.2.6 runs each of these by interpreting a small Python helper of its own: ``x[k]`` interprets
-    ``getitem_impl`` (``obj.__getitem__(index)``), a global name interprets ``lambda d, k: d[k]`` (two frames,
-    three for a builtin), ``k in x`` interprets a helper that looks up ``hasattr`` / ``getattr`` as globals.
-    Each frame is set up and disassembled anew; these helpers were about three quarters of the instructions
-    interpreted in a Llama's first call. For an exact ``dict`` / ``list`` / ``tuple`` (and for ``in``, ``set``,
-    ``frozenset``, ``str``) the helper's work ends in one call, the type's own ``__getitem__`` /
-    ``__contains__`` on the same wrapped container and key, which the interpreter hands to its provenance-
-    tracking lookaside. This makes that call directly, through the same dispatch: same value, same provenance,
-    same prologue. Other types, interpretation without provenance tracking and a recorded interpreter history
-    take thunder's path. Also, each code object is disassembled once (:func:`_dis_disassembling_once_per_code`).
+    thunder 0.2.6 runs many instructions by interpreting a small Python helper: ``x[k]`` interprets
+    ``getitem_impl`` (``obj.__getitem__(index)``); a global name ``lambda d, k: d[k]`` (two frames, three for a
+    builtin); ``k in x`` a helper that looks up ``hasattr`` / ``getattr`` as globals; unpacking ``a, b = t``
+    an iterator class of its own, one ``next`` at a time; a call of a bound method ``_impl(fn, *args,
+    **kwargs)`` (``fn.__func__(fn.__self__, ...)``, with a list and a dict merge, each a lambda frame). Each
+    frame is set up and disassembled anew. These helpers were about three quarters of the instructions
+    interpreted in a Llama's first call.
+
+    For exact builtin containers, and for bound methods, the helper's work ends in calls this does directly
+    through the same dispatch (``_interpret_call``), on the same wrapped values: the container type's own
+    ``__getitem__`` / ``__contains__`` (which the interpreter hands to its provenance-tracking lookasides), the
+    method's ``__func__`` with its ``__self__``. So values, provenance and prologues are the ones thunder's
+    helpers give. Other types, interpretation without provenance tracking and a recorded interpreter history
+    take thunder's path. Each code object is also disassembled once (:func:`_dis_disassembling_once_per_code`).
     """
+    import inspect
+
     from thunder.core import interpreter
 
     handlers = interpreter._default_opcode_handler_map
     if getattr(handlers["BINARY_SUBSCR"], "_thunder_dtensor", False):
         return
     raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+    wrap_const, unwrap = interpreter.wrap_const, interpreter.unwrap
     thunder_subscript = handlers["BINARY_SUBSCR"]
     thunder_contains = handlers["CONTAINS_OP"]
+    thunder_unpack = handlers["UNPACK_SEQUENCE"]
     thunder_globals_lookup = interpreter.globals_lookup
+    thunder_call_dispatch = interpreter._call_dispatch
+    thunder_dict_merge = handlers["DICT_MERGE"]
+    thunder_list_extend = handlers["LIST_EXTEND"]
 
     def direct() -> bool:
         runtime = interpreter.get_interpreterruntimectx()
         return (
-            _DIRECT_CONTAINER_PATHS[0]
+            _DIRECT_PATHS[0]
             and interpreter.get_interpretercompilectx()._with_provenance_tracking
             and not runtime._record_history
             and runtime.debug_log is None
         )
 
     def call_method(method: Callable, container: Any, *args: Any) -> Any:
-        return interpreter._interpret_call(interpreter.wrap_const(method), container, *args)
+        return interpreter._interpret_call(wrap_const(method), container, *args)
+
+    def item(container: Any, key: Any) -> Any:
+        return call_method(type(container.value).__getitem__, container, wrap_const(key))
+
+    def top_is(stack: Any, depth: int, types_: tuple) -> bool:
+        return len(stack) >= depth and type(unwrap(stack.getitem_wrapped(-depth))) in types_ and direct()
 
     def subscript(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
-        if (
-            len(stack) < 2
-            or type(interpreter.unwrap(stack.getitem_wrapped(-2))) not in _SUBSCRIPTED_CONTAINERS
-            or not direct()
-        ):
+        if not top_is(stack, 2, _SUBSCRIPTED_CONTAINERS):
             return thunder_subscript(inst, stack=stack, **kwargs)
         key = stack.pop_wrapped()
         container = stack.pop_wrapped()
@@ -2047,15 +2061,11 @@ def dispatch_container_accesses_directly() -> None:
         return interpreter.check_and_append(stack, value)
 
     def contains(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
-        if (
-            len(stack) < 2
-            or type(interpreter.unwrap(stack.getitem_wrapped(-1))) not in _SEARCHED_CONTAINERS
-            or not direct()
-        ):
+        if not top_is(stack, 1, _SEARCHED_CONTAINERS):
             return thunder_contains(inst, stack=stack, **kwargs)
         container = stack.pop_wrapped()
-        item = stack.pop_wrapped()
-        found = call_method(type(container.value).__contains__, container, item)
+        candidate = stack.pop_wrapped()
+        found = call_method(type(container.value).__contains__, container, candidate)
         if found is not raised and inst.arg == 1:  # ``not in``, negated as thunder's handler does
             found = interpreter._interpret_call(lambda result: not result, found)
         if found is raised:
@@ -2063,16 +2073,51 @@ def dispatch_container_accesses_directly() -> None:
         stack.append(found)
         return None
 
+    def unpack(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        if not top_is(stack, 1, _UNPACKED_SEQUENCES):
+            return thunder_unpack(inst, stack=stack, **kwargs)
+        sequence = stack.pop_wrapped()
+        count, length = inst.arg, len(sequence.value)
+        if length < count:
+            return interpreter.do_raise(ValueError(f"not enough values to unpack (expected {count}, got {length})"))
+        if length > count:
+            return interpreter.do_raise(ValueError(f"too many values to unpack (expected {count})"))
+        values = [item(sequence, i) for i in range(count)]
+        if raised in values:
+            return raised
+        for value in reversed(values):
+            stack.append(value)
+        return None
+
+    def dict_merge(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        """``f(**mapping)``'s merge into the call's keyword dict (``b.update(a)`` in thunder's helper)."""
+        if not (top_is(stack, 1, (dict,)) and top_is(stack, 2, (dict,))):
+            return thunder_dict_merge(inst, stack=stack, **kwargs)
+        mapping, target = stack.getitem_wrapped(-1), stack.getitem_wrapped(-2)
+        if target.value.keys() & mapping.value.keys():  # thunder's handler raises the duplicate-keyword error
+            return thunder_dict_merge(inst, stack=stack, **kwargs)
+        stack.pop_wrapped()
+        merged = call_method(dict.update, target, mapping)
+        return merged if merged is raised else None
+
+    def list_extend(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        """``[*a]`` / ``f(*a)``'s extension of the list being built (``l1.extend(l2)`` in thunder's helper)."""
+        if not (top_is(stack, 1, _UNPACKED_SEQUENCES) and top_is(stack, 1 + inst.arg, (list,))):
+            return thunder_list_extend(inst, stack=stack, **kwargs)
+        extension = stack.pop_wrapped()
+        extended = call_method(list.extend, stack.getitem_wrapped(-inst.arg), extension)
+        return extended if extended is raised else None
+
     def globals_lookup(globals_dict: Any, name: Any) -> Any:
         if not (isinstance(globals_dict, interpreter.WrappedValue) and type(globals_dict.value) is dict and direct()):
             return thunder_globals_lookup(globals_dict, name)
-        plain_name = interpreter.unwrap(name)
+        plain_name = unwrap(name)
         if plain_name in globals_dict.value:
             return call_method(dict.__getitem__, globals_dict, name)
         builtins = globals_dict.value.get("__builtins__")
         if not (isinstance(builtins, types.ModuleType) or type(builtins) is dict):
             return thunder_globals_lookup(globals_dict, name)
-        builtins = call_method(dict.__getitem__, globals_dict, interpreter.wrap_const("__builtins__"))
+        builtins = item(globals_dict, "__builtins__")
         if isinstance(builtins.value, types.ModuleType):
             value = interpreter._interpret_call(getattr, builtins, name)
         elif plain_name in builtins.value:
@@ -2083,8 +2128,25 @@ def dispatch_container_accesses_directly() -> None:
             return interpreter.do_raise(NameError(f"name '{plain_name}' is not defined"))
         return value
 
+    def call_dispatch(compilectx: Any, runtimectx: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        method = unwrap(fn)
+        if not (inspect.ismethod(method) and not hasattr(method, "__thunder_interpreter_orig_fn") and direct()):
+            return thunder_call_dispatch(compilectx, runtimectx, fn, *args, **kwargs)
+        wrapped = fn if isinstance(fn, interpreter.WrappedValue) else wrap_const(fn)
+        func = interpreter._interpret_call(getattr, wrapped, wrap_const("__func__"))
+        if func is raised:
+            return func
+        receiver = interpreter._interpret_call(getattr, wrapped, wrap_const("__self__"))
+        if receiver is raised:
+            return receiver
+        return interpreter._interpret_call(func, receiver, *args, **kwargs)
+
     subscript._thunder_dtensor = True  # type: ignore[attr-defined]
     handlers["BINARY_SUBSCR"] = subscript
     handlers["CONTAINS_OP"] = contains
+    handlers["UNPACK_SEQUENCE"] = unpack
+    handlers["DICT_MERGE"] = dict_merge
+    handlers["LIST_EXTEND"] = list_extend
     interpreter.globals_lookup = globals_lookup
+    interpreter._call_dispatch = call_dispatch
     interpreter.dis = _dis_disassembling_once_per_code()

@@ -134,27 +134,36 @@ _OFFSET = 0.25  # a global read by the jitted program below
 
 
 class _KeyedModel(torch.nn.Module):
-    """Module attributes, a ``ModuleDict`` (a dict subclass's reads go thunder's way) and containers."""
+    """Module attributes, a ``ModuleDict`` (a dict subclass's reads go thunder's way), containers, unpacking,
+    a bound method called as a value, calls with ``*args`` / ``**kwargs``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
         self.register_buffer("scale", torch.tensor(1.5))
 
+    def shifted(self, y: torch.Tensor, *shifts: float, factor: float = 1.0) -> torch.Tensor:
+        return (y + sum(shifts)) * factor
+
     def forward(self, x: torch.Tensor, table: dict, items: list, pair: tuple) -> torch.Tensor:
         y = self.blocks["a"](x) * table["a"] + items[-1] * pair[0]
         if "b" in table and 3 not in items and "zz" not in "xyz" and pair[1] in {1, 2}:
             y = y + len(items[1:]) + abs(pair[1])
+        first, second = pair
+        *_, last = items
         try:
             y = y * table["missing"]
         except KeyError:
             y = y - _OFFSET
+        shift = self.shifted
+        y = shift(y, *items[:2], **{"factor": second}) + first * last
         return torch.nn.functional.relu(self.blocks["b"](y)) * self.scale
 
 
-def test_direct_container_accesses_trace_what_thunders_own_paths_trace(monkeypatch):
-    """``x[k]`` / ``k in x`` / global names skip thunder's helper frames and change nothing else: the same
-    prologue and computation traces, the same results, and the prologue still checks the values read."""
+def test_interpreter_helpers_run_directly_trace_what_thunders_own_paths_trace(monkeypatch):
+    """``x[k]``, ``k in x``, unpacking, global names, bound-method and ``*args`` calls skip thunder's helper
+    frames and change nothing else: the same prologue and computation traces, the same results, and the
+    prologue still checks the values read."""
     import thunder
     from thunder.core import interpreter
 
@@ -179,7 +188,7 @@ def test_direct_container_accesses_trace_what_thunders_own_paths_trace(monkeypat
         traces = [re.sub(r"# Constructed by .*", "", str(t)) for t in traces]  # without the time taken
         return jitted, out, traces, frames[0]
 
-    with _integration.thunder_interpreter_container_paths():
+    with _integration.thunders_own_interpreter_paths():
         _, thunders_out, thunders_traces, thunders_frames = jit_and_trace()
     jitted, out, traces, direct_frames = jit_and_trace()
     torch.testing.assert_close(thunders_out, expected)

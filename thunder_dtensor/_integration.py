@@ -40,6 +40,9 @@ What is patched, and why:
   (``install_sdpa_kernel_support``).
 * FSDP2's forward hooks become lookasides and managed parameter reads become unshard prims
   (``install_fsdp_support``).
+* thunder's interpreter runs ``x[k]``, ``k in x``, unpacking, global name lookups, bound-method calls and the
+  merges of ``*args`` / ``**kwargs`` calls on exact builtin containers without interpreting its own helper
+  functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),

@@ -2008,13 +2008,13 @@ def run_interpreter_helpers_directly() -> None:
     builtin); ``k in x`` a helper that looks up ``hasattr`` / ``getattr`` as globals; unpacking ``a, b = t``
     an iterator class of its own, one ``next`` at a time; a call of a bound method ``_impl(fn, *args,
     **kwargs)`` (``fn.__func__(fn.__self__, ...)``, with a list and a dict merge, each a lambda frame). Each
-    frame is set up and disassembled anew. These helpers were about three quarters of the instructions
-    interpreted in a Llama's first call.
+    frame is set up and disassembled anew. These helpers ran about 80,000 of the 86,000 instructions interpreted
+    in a 4-block Llama's first call.
 
     For exact builtin containers, and for bound methods, the helper's work ends in calls this does directly
     through the same dispatch (``_interpret_call``), on the same wrapped values: the container type's own
-    ``__getitem__`` / ``__contains__`` (which the interpreter hands to its provenance-tracking lookasides), the
-    method's ``__func__`` with its ``__self__``. So values, provenance and prologues are the ones thunder's
+    ``__getitem__`` / ``__contains__`` / ``update`` / ``extend`` (which the interpreter hands to its
+    provenance-tracking lookasides), the method's ``__func__`` with its ``__self__``. So values, provenance and prologues are the ones thunder's
     helpers give. Other types, interpretation without provenance tracking and a recorded interpreter history
     take thunder's path. Each code object is also disassembled once (:func:`_dis_disassembling_once_per_code`).
     """

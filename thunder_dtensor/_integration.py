@@ -2014,9 +2014,10 @@ def run_interpreter_helpers_directly() -> None:
     For exact builtin containers, and for bound methods, the helper's work ends in calls this does directly
     through the same dispatch (``_interpret_call``), on the same wrapped values: the container type's own
     ``__getitem__`` / ``__contains__`` / ``update`` / ``extend`` (which the interpreter hands to its
-    provenance-tracking lookasides), the method's ``__func__`` with its ``__self__``. So values, provenance and prologues are the ones thunder's
-    helpers give. Other types, interpretation without provenance tracking and a recorded interpreter history
-    take thunder's path. Each code object is also disassembled once (:func:`_dis_disassembling_once_per_code`).
+    provenance-tracking lookasides), the method's ``__func__`` with its ``__self__``. So values, provenance
+    and prologues are the ones thunder's helpers give. Other types, interpretation without provenance tracking
+    and a recorded interpreter history take thunder's path. Each code object is also disassembled once
+    (:func:`_dis_disassembling_once_per_code`).
     """
     import inspect
 

@@ -45,6 +45,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.dispatch_module_calls_outside_the_interpreter()  # first-call time: hook loops run in Python
     _integration.call_partials_outside_the_interpreter()  # and the partials every TP hook calls
     _integration.run_interpreter_helpers_directly()  # and x[k], k in x, unpacking, names: no helper frames
+    _integration.bind_symbols_with_cached_signatures()  # a symbol's meta signature is read once
 
     from thunder_dtensor import tp_hooks
 

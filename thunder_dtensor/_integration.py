@@ -42,7 +42,8 @@ What is patched, and why:
   (``install_fsdp_support``).
 * thunder's interpreter runs ``x[k]``, ``k in x``, unpacking, global name lookups, bound-method calls and the
   merges of ``*args`` / ``**kwargs`` calls on exact builtin containers without interpreting its own helper
-  functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time).
+  functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time);
+  ``Symbol.bind`` reads each meta's signature once (``bind_symbols_with_cached_signatures``).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
@@ -1988,6 +1989,39 @@ def _dis_disassembling_once_per_code() -> types.ModuleType:
 
     view.get_instructions = get_instructions  # type: ignore[attr-defined]
     return view
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_signature(fn: Callable) -> Any:
+    import inspect
+
+    return inspect.signature(fn)
+
+
+def bind_symbols_with_cached_signatures() -> None:
+    """thunder's ``Symbol.bind`` reads its meta's ``inspect.signature`` anew for every bound symbol (about
+    10,000 times in a 4-block Llama's first call); a meta's signature does not change, so thunder's symbol
+    module sees an ``inspect`` whose ``signature`` is computed once per (hashable) callable."""
+    import inspect
+
+    from thunder.core import symbol
+
+    if getattr(symbol.inspect, "_thunder_dtensor", False):
+        return
+
+    def signature(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return inspect.signature(fn, *args, **kwargs)
+        try:
+            return _cached_signature(fn)
+        except TypeError:  # unhashable
+            return inspect.signature(fn)
+
+    view = types.ModuleType("inspect")
+    view.__dict__.update(inspect.__dict__)
+    view.signature = signature  # type: ignore[attr-defined]
+    view._thunder_dtensor = True  # type: ignore[attr-defined]
+    symbol.inspect = view
 
 
 @contextlib.contextmanager

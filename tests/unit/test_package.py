@@ -201,13 +201,20 @@ def test_interpreter_helpers_run_directly_trace_what_thunders_own_paths_trace(mo
     assert thunder.cache_misses(jitted) == 2
 
 
-def test_disassembly_is_computed_once_per_code_object():
-    from thunder.core import interpreter
+def test_disassembly_and_meta_signatures_are_computed_once():
+    import dis
+    import inspect
 
-    def f(a: int) -> int:
-        return a + 1
+    from thunder.core import interpreter, symbol
+
+    def f(a: int, b: int = 2) -> int:
+        return a + b
 
     first = interpreter.dis.get_instructions(f.__code__)
     assert first is interpreter.dis.get_instructions(f.__code__)
-    assert [i.opname for i in first] == [i.opname for i in __import__("dis").get_instructions(f.__code__)]
-    assert interpreter.dis.Instruction is __import__("dis").Instruction
+    assert [i.opname for i in first] == [i.opname for i in dis.get_instructions(f.__code__)]
+    assert interpreter.dis.Instruction is dis.Instruction
+    signature = symbol.inspect.signature(f)
+    assert signature is symbol.inspect.signature(f)
+    assert signature == inspect.signature(f)
+    assert str(symbol.inspect.signature(lambda x, *, y=1: x)) == "(x, *, y=1)"

@@ -1964,11 +1964,26 @@ _UNPACKED_SEQUENCES = (list, tuple)
 _DIRECT_PATHS = [True]
 
 
-@functools.lru_cache(maxsize=4096)
-def _code_instructions(code: types.CodeType) -> tuple:
-    import dis
+def _module_computing_once(module: types.ModuleType, name: str, compute: Callable, key_type: type) -> types.ModuleType:
+    """``module``'s namespace as one of thunder's modules sees it, with ``name(x)`` computed once per ``x``
+    (``compute(x)``, LRU) for a hashable ``x`` of ``key_type`` passed alone; other calls run ``module.name``."""
+    original = getattr(module, name)
+    cached = functools.lru_cache(maxsize=4096)(compute)
 
-    return tuple(dis.get_instructions(code))
+    def once(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(x, key_type):
+            return original(x, *args, **kwargs)
+        try:
+            hash(x)
+        except TypeError:
+            return original(x)
+        return cached(x)
+
+    view = types.ModuleType(module.__name__)
+    view.__dict__.update(module.__dict__)
+    setattr(view, name, once)
+    view._thunder_dtensor = True  # type: ignore[attr-defined]
+    return view
 
 
 def _dis_disassembling_once_per_code() -> types.ModuleType:
@@ -1979,23 +1994,9 @@ def _dis_disassembling_once_per_code() -> types.ModuleType:
     """
     import dis
 
-    view = types.ModuleType("dis")
-    view.__dict__.update(dis.__dict__)
-
-    def get_instructions(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(x, types.CodeType) and not args and not kwargs:
-            return _code_instructions(x)
-        return dis.get_instructions(x, *args, **kwargs)
-
-    view.get_instructions = get_instructions  # type: ignore[attr-defined]
-    return view
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_signature(fn: Callable) -> Any:
-    import inspect
-
-    return inspect.signature(fn)
+    return _module_computing_once(
+        dis, "get_instructions", lambda code: tuple(dis.get_instructions(code)), types.CodeType
+    )
 
 
 def bind_symbols_with_cached_signatures() -> None:
@@ -2006,22 +2007,8 @@ def bind_symbols_with_cached_signatures() -> None:
 
     from thunder.core import symbol
 
-    if getattr(symbol.inspect, "_thunder_dtensor", False):
-        return
-
-    def signature(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            return inspect.signature(fn, *args, **kwargs)
-        try:
-            return _cached_signature(fn)
-        except TypeError:  # unhashable
-            return inspect.signature(fn)
-
-    view = types.ModuleType("inspect")
-    view.__dict__.update(inspect.__dict__)
-    view.signature = signature  # type: ignore[attr-defined]
-    view._thunder_dtensor = True  # type: ignore[attr-defined]
-    symbol.inspect = view
+    if not getattr(symbol.inspect, "_thunder_dtensor", False):
+        symbol.inspect = _module_computing_once(inspect, "signature", inspect.signature, object)
 
 
 @contextlib.contextmanager
@@ -2082,24 +2069,25 @@ def run_interpreter_helpers_directly() -> None:
     def call_method(method: Callable, container: Any, *args: Any) -> Any:
         return interpreter._interpret_call(wrap_const(method), container, *args)
 
-    def item(container: Any, key: Any) -> Any:
-        return call_method(type(container.value).__getitem__, container, wrap_const(key))
+    def getitem(container: Any, key: Any) -> Any:
+        """``container[key]`` (``key`` wrapped) as thunder's ``getitem_impl`` ends: the type's own ``__getitem__``."""
+        return call_method(type(container.value).__getitem__, container, key)
 
     def top_is(stack: Any, depth: int, types_: tuple) -> bool:
-        return len(stack) >= depth and type(unwrap(stack.getitem_wrapped(-depth))) in types_ and direct()
+        return len(stack) >= depth and type(unwrap(stack.getitem_wrapped(-depth))) in types_
 
     def subscript(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
-        if not top_is(stack, 2, _SUBSCRIPTED_CONTAINERS):
+        if not (top_is(stack, 2, _SUBSCRIPTED_CONTAINERS) and direct()):
             return thunder_subscript(inst, stack=stack, **kwargs)
         key = stack.pop_wrapped()
         container = stack.pop_wrapped()
-        value = call_method(type(container.value).__getitem__, container, key)
+        value = getitem(container, key)
         if value is raised:
             return value
         return interpreter.check_and_append(stack, value)
 
     def contains(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
-        if not top_is(stack, 1, _SEARCHED_CONTAINERS):
+        if not (top_is(stack, 1, _SEARCHED_CONTAINERS) and direct()):
             return thunder_contains(inst, stack=stack, **kwargs)
         container = stack.pop_wrapped()
         candidate = stack.pop_wrapped()
@@ -2112,7 +2100,7 @@ def run_interpreter_helpers_directly() -> None:
         return None
 
     def unpack(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
-        if not top_is(stack, 1, _UNPACKED_SEQUENCES):
+        if not (top_is(stack, 1, _UNPACKED_SEQUENCES) and direct()):
             return thunder_unpack(inst, stack=stack, **kwargs)
         sequence = stack.pop_wrapped()
         count, length = inst.arg, len(sequence.value)
@@ -2120,7 +2108,7 @@ def run_interpreter_helpers_directly() -> None:
             return interpreter.do_raise(ValueError(f"not enough values to unpack (expected {count}, got {length})"))
         if length > count:
             return interpreter.do_raise(ValueError(f"too many values to unpack (expected {count})"))
-        values = [item(sequence, i) for i in range(count)]
+        values = [getitem(sequence, wrap_const(i)) for i in range(count)]
         if raised in values:
             return raised
         for value in reversed(values):
@@ -2129,7 +2117,7 @@ def run_interpreter_helpers_directly() -> None:
 
     def dict_merge(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
         """``f(**mapping)``'s merge into the call's keyword dict (``b.update(a)`` in thunder's helper)."""
-        if not (top_is(stack, 1, (dict,)) and top_is(stack, 2, (dict,))):
+        if not (top_is(stack, 1, (dict,)) and top_is(stack, 2, (dict,)) and direct()):
             return thunder_dict_merge(inst, stack=stack, **kwargs)
         mapping, target = stack.getitem_wrapped(-1), stack.getitem_wrapped(-2)
         if target.value.keys() & mapping.value.keys():  # thunder's handler raises the duplicate-keyword error
@@ -2140,7 +2128,7 @@ def run_interpreter_helpers_directly() -> None:
 
     def list_extend(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
         """``[*a]`` / ``f(*a)``'s extension of the list being built (``l1.extend(l2)`` in thunder's helper)."""
-        if not (top_is(stack, 1, _UNPACKED_SEQUENCES) and top_is(stack, 1 + inst.arg, (list,))):
+        if not (top_is(stack, 1, _UNPACKED_SEQUENCES) and top_is(stack, 1 + inst.arg, (list,)) and direct()):
             return thunder_list_extend(inst, stack=stack, **kwargs)
         extension = stack.pop_wrapped()
         extended = call_method(list.extend, stack.getitem_wrapped(-inst.arg), extension)
@@ -2151,15 +2139,15 @@ def run_interpreter_helpers_directly() -> None:
             return thunder_globals_lookup(globals_dict, name)
         plain_name = unwrap(name)
         if plain_name in globals_dict.value:
-            return call_method(dict.__getitem__, globals_dict, name)
+            return getitem(globals_dict, name)
         builtins = globals_dict.value.get("__builtins__")
         if not (isinstance(builtins, types.ModuleType) or type(builtins) is dict):
             return thunder_globals_lookup(globals_dict, name)
-        builtins = item(globals_dict, "__builtins__")
+        builtins = getitem(globals_dict, wrap_const("__builtins__"))
         if isinstance(builtins.value, types.ModuleType):
             value = interpreter._interpret_call(getattr, builtins, name)
         elif plain_name in builtins.value:
-            value = call_method(dict.__getitem__, builtins, name)
+            value = getitem(builtins, name)
         else:
             value = raised
         if value is raised:

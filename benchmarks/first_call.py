@@ -8,6 +8,11 @@ over ranks, and the median of ``--repeat`` fresh processes, run round-robin over
 torch.compile, whose first call is 5-10x longer than thunder's). The reference is the same model
 *unsharded* under ``thunder.jit`` (what tensor parallelism adds).
 
+``dynamo`` variants capture the model with dynamo and hand the graph back unchanged (a pass-through backend):
+the part of thunderfx's first call that is torch's, before thunder sees the graph. With each ``jit``
+variant's interpretation time (thunder's own tracing timer), they bound thunderfx from below: thunderfx
+still does, on dynamo's graph, the rest of what ``thunder.jit`` does after interpreting the module.
+
     python benchmarks/first_call.py                 # every variant: benchmarks/results/first_call.{json,md}
     python benchmarks/first_call.py --models gpt    # one model
 
@@ -23,7 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 #: model -> its variants (front end, parallelism); the first is the reference
@@ -31,15 +38,26 @@ VARIANTS = {
     "gpt": (
         "jit:unsharded",
         "thunderfx:unsharded",
+        "dynamo:unsharded",
         "jit:tp",
         "jit:sp",
         "thunderfx:tp",
         "thunderfx:sp",
+        "dynamo:tp",
+        "dynamo:sp",
         "torch.compile:tp",
         "torch.compile:sp",
     ),
-    "llama": ("jit:unsharded", "thunderfx:unsharded", "jit:tp", "thunderfx:tp", "torch.compile:tp"),
-    "llama4": ("jit:unsharded", "jit:tp", "thunderfx:tp", "torch.compile:tp"),
+    "llama": (
+        "jit:unsharded",
+        "thunderfx:unsharded",
+        "dynamo:unsharded",
+        "jit:tp",
+        "thunderfx:tp",
+        "dynamo:tp",
+        "torch.compile:tp",
+    ),
+    "llama4": ("jit:unsharded", "jit:tp", "thunderfx:tp", "dynamo:tp", "torch.compile:tp"),
 }
 #: Llama blocks per model name (a deeper model shows what each further layer costs: its ops hit the caches)
 LLAMA_LAYERS = {"llama": 1, "llama4": 4}
@@ -91,6 +109,8 @@ def worker(spec: str, json_path: str) -> None:
         from thunder.dynamo import thunderfx
 
         fn = thunderfx(model)
+    elif front_end == "dynamo":
+        fn = torch.compile(model, backend=_graph_unchanged)
     else:
         fn = torch.compile(model)
     dist.barrier()
@@ -99,12 +119,24 @@ def worker(spec: str, json_path: str) -> None:
     value.backward()
     if device_type() == "cuda":
         torch.cuda.synchronize()
-    seconds = torch.tensor([time.perf_counter() - t0, import_s], dtype=torch.float64)
+    first_call_s = time.perf_counter() - t0
+    interpretation_s = float("nan")
+    if front_end == "jit":
+        stats = thunder.compile_stats(fn)
+        interpretation_s = (stats.last_trace_tracing_stop - stats.last_trace_tracing_start) / 1e9
+    seconds = torch.tensor([first_call_s, import_s, interpretation_s], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         result = {"first_call_s": seconds[0].item(), "import_s": seconds[1].item(), "loss": value.item()}
+        if front_end == "jit":
+            result["interpretation_s"] = seconds[2].item()
         Path(json_path).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _graph_unchanged(graph_module: Any, example_inputs: list) -> Callable:
+    """A dynamo backend that runs the captured graph as it is (what dynamo's capture alone costs)."""
+    return graph_module.forward
 
 
 def run_variant(model: str, variant: str, nproc: int, timeout_s: float) -> dict:
@@ -150,26 +182,44 @@ def write_markdown(report: dict, path: Path) -> None:
         f"{report['date']}; {report['nproc']} ranks; {report['machine']}; commit {report['commit']}. "
         "Seconds are the maximum over ranks, the median of the runs listed (each a fresh process); x unsharded: "
         "over the same model unsharded under thunder.jit; x torch.compile: over torch.compile of the same plan "
-        "(fresh inductor cache); x jit: a thunderfx variant over thunder.jit of the same plan.",
+        "(fresh inductor cache); x jit: a thunderfx or dynamo variant over thunder.jit of the same plan; "
+        "interpretation: of a thunder.jit first call, the part in thunder's interpreter (thunder's tracing timer, "
+        "in the median run); dynamo: dynamo's capture with a backend that runs the captured graph unchanged.",
         "",
-        "| model | variant | first call s | runs s | x unsharded jit | x torch.compile | x jit | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | variant | first call s | runs s | interpretation s | x unsharded jit | x torch.compile | x jit "
+        "| loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for model, rows in report["results"].items():
         ref = rows.get("jit:unsharded", {}).get("first_call_s")
         for variant, r in rows.items():
             if "error" in r:
-                lines.append(f"| {model} | {variant} | error: {r['error'][:120]} | | | | | |")
+                lines.append(f"| {model} | {variant} | error: {r['error'][:120]} | | | | | | |")
                 continue
             s = r["first_call_s"]
             tc = rows.get(f"torch.compile:{variant.split(':')[1]}", {}).get("first_call_s")
             x_ref = f"{s / ref:.2f}" if ref else ""
-            x_tc = f"{s / tc:.2f}" if tc and not variant.startswith("torch.compile") else ""
+            x_tc = f"{s / tc:.2f}" if tc and not variant.startswith(("torch.compile", "dynamo")) else ""
             jit = rows.get(f"jit:{variant.split(':')[1]}", {}).get("first_call_s")
-            x_jit = f"{s / jit:.2f}" if jit and variant.startswith("thunderfx") else ""
+            x_jit = f"{s / jit:.2f}" if jit and variant.startswith(("thunderfx", "dynamo")) else ""
+            interpretation = f"{r['interpretation_s']:.2f}" if "interpretation_s" in r else ""
             runs = ", ".join(f"{t:.2f}" for t in r["runs_s"])
-            lines.append(f"| {model} | {variant} | {s:.2f} | {runs} | {x_ref} | {x_tc} | {x_jit} | {r['loss']:.6f} |")
+            lines.append(
+                f"| {model} | {variant} | {s:.2f} | {runs} | {interpretation} | {x_ref} | {x_tc} | {x_jit} "
+                f"| {r['loss']:.6f} |"
+            )
     lines += ["", *(f"- {m}: {DESCRIPTIONS[m]}" for m in report["results"])]
+    floors = _thunderfx_floors(report["results"])
+    if floors:
+        lines += [
+            "",
+            "thunderfx's floor: dynamo's capture, plus what thunder.jit's first call spends after interpreting the "
+            "module (thunderfx does that work too, on dynamo's graph), over thunder.jit's first call. Above 1, "
+            "thunderfx cannot be as fast as thunder.jit on this plan even with free node checks and a free "
+            "interpretation of dynamo's graph.",
+            "",
+            *floors,
+        ]
     reruns = [
         f"- {model} {variant}: a run's process died without a result and was run again ({run['rerun_after'][:160]})"
         for model, rows in report["results"].items()
@@ -179,6 +229,24 @@ def write_markdown(report: dict, path: Path) -> None:
     ]
     lines += reruns
     path.write_text("\n".join(lines) + "\n")
+
+
+def _thunderfx_floors(results: dict) -> list[str]:
+    """One line per plan with a dynamo and a thunder.jit variant: thunderfx's floor over thunder.jit."""
+    lines = []
+    for model, rows in results.items():
+        for variant, r in rows.items():
+            front_end, parallelism = variant.split(":")
+            jit = rows.get(f"jit:{parallelism}", {})
+            if front_end != "dynamo" or "error" in r or "interpretation_s" not in jit:
+                continue
+            after_interpretation = jit["first_call_s"] - jit["interpretation_s"]
+            floor = r["first_call_s"] + after_interpretation
+            lines.append(
+                f"- {model} {parallelism}: {r['first_call_s']:.2f} + {after_interpretation:.2f} = {floor:.2f} s, "
+                f"{floor / jit['first_call_s']:.2f}x thunder.jit ({jit['first_call_s']:.2f} s)"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

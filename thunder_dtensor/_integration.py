@@ -1753,6 +1753,13 @@ def install_lowering(
 # ---------------------------------------------------------------------------------------------------------
 # Module calls (torch 2.13 ``nn.Module._call_impl`` layout, thunder 0.2.6 interpreter): first-call time
 # ---------------------------------------------------------------------------------------------------------
+def _read_through_interpreter(obj: Any, name: str) -> Any:
+    """``obj.name`` read by the interpreter (``obj`` wrapped), so the prologue checks what was read."""
+    from thunder.core import interpreter
+
+    return interpreter._interpret_call(getattr, obj, interpreter.wrap_const(name))
+
+
 def _module_hook_state_is_plain(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` runs only its own forward pre-hooks and forward hooks (with or without kwargs),
     none always-called, no backward hooks, no global hooks, no ``torch.jit`` tracing and no ``module.compile()``:
@@ -1795,9 +1802,6 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
     wrap_const, unwrap = interpreter.wrap_const, interpreter.unwrap
     raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
 
-    def read(obj: Any, name: str) -> Any:
-        return interpreter._interpret_call(getattr, obj, wrap_const(name))
-
     def hook_by_id(hooks: Any, hook_id: int) -> Any:
         return interpreter._interpret_call(lambda d, k: d[k], hooks, wrap_const(hook_id))
 
@@ -1807,7 +1811,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
     def module_call(module: Any, *args: Any, **kwargs: Any) -> Any:
         if not _module_hook_state_is_plain(unwrap(module)):
             return interpreter._interpret_call(interpreted_call_impl, module, *args, **kwargs)
-        forward = read(module, "forward")
+        forward = _read_through_interpreter(module, "forward")
         if forward is raised:
             return forward
         user_module = unwrap(module)
@@ -1816,7 +1820,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
         wrapped_args = interpreter.wrap_args(args)
         wrapped_kwargs = interpreter.wrap_kwargs(kwargs)
         if user_module._forward_pre_hooks:
-            hooks = read(module, "_forward_pre_hooks")
+            hooks = _read_through_interpreter(module, "_forward_pre_hooks")
             for hook_id in list(unwrap(hooks)):
                 hook = hook_by_id(hooks, hook_id)
                 if hook_id in user_module._forward_pre_hooks_with_kwargs:
@@ -1845,7 +1849,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
         output = call_star(forward, wrapped_args, wrapped_kwargs)
         if output is raised or not user_module._forward_hooks:
             return output
-        hooks = read(module, "_forward_hooks")
+        hooks = _read_through_interpreter(module, "_forward_hooks")
         for hook_id in list(unwrap(hooks)):
             hook = hook_by_id(hooks, hook_id)
             if hook_id in user_module._forward_hooks_with_kwargs:
@@ -1911,7 +1915,7 @@ def register_lookaside(
         if self_attributes:
             attributes = {}
             for name in self_attributes:
-                value = interpreter._interpret_call(getattr, args[0], interpreter.wrap_const(name))
+                value = _read_through_interpreter(args[0], name)
                 if value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
                     return value
                 attributes[name] = interpreter.unwrap(value)
@@ -1942,8 +1946,8 @@ def call_partials_outside_the_interpreter() -> None:
     def partial_call(partial: Any, *args: Any, **kwargs: Any) -> Any:
         if type(interpreter.unwrap(partial)) is not functools.partial or interpreter.unwrap(partial).keywords:
             return thunder_partial_call(partial, *args, **kwargs)
-        func = interpreter._interpret_call(getattr, partial, interpreter.wrap_const("func"))
-        bound = interpreter._interpret_call(getattr, partial, interpreter.wrap_const("args"))
+        func = _read_through_interpreter(partial, "func")
+        bound = _read_through_interpreter(partial, "args")
         if interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED in (func, bound):
             return interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
         interpreter.populate_item_wrappers(bound)
@@ -2159,10 +2163,10 @@ def run_interpreter_helpers_directly() -> None:
         if not (inspect.ismethod(method) and not hasattr(method, "__thunder_interpreter_orig_fn") and direct()):
             return thunder_call_dispatch(compilectx, runtimectx, fn, *args, **kwargs)
         wrapped = fn if isinstance(fn, interpreter.WrappedValue) else wrap_const(fn)
-        func = interpreter._interpret_call(getattr, wrapped, wrap_const("__func__"))
+        func = _read_through_interpreter(wrapped, "__func__")
         if func is raised:
             return func
-        receiver = interpreter._interpret_call(getattr, wrapped, wrap_const("__self__"))
+        receiver = _read_through_interpreter(wrapped, "__self__")
         if receiver is raised:
             return receiver
         return interpreter._interpret_call(func, receiver, *args, **kwargs)

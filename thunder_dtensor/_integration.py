@@ -213,6 +213,7 @@ import thunder.core.devices as devices  # noqa: E402
 import thunder.core.dtypes as dtypes  # noqa: E402
 from thunder.core import prims  # noqa: E402
 from thunder.core.baseutils import check  # noqa: E402
+from thunder.core.compile_data import get_compile_data  # noqa: E402
 from thunder.core.langctxs import Languages, langctx  # noqa: E402
 from thunder.core.prims import OpTags, make_prim  # noqa: E402
 from thunder.core.proxies import AnyProxy, NumberProxy, Proxy, TensorProxy, pyval, variableify  # noqa: E402
@@ -676,6 +677,50 @@ def set_cotangent_proxy_factory(make_cotangent: Callable) -> None:
     object.__setattr__(prims.get_grad, "meta", get_grad_meta)
 
 
+def using_symbolic_values() -> bool:
+    """Whether the program is compiled with ``cache="symbolic values"`` (sizes and numbers as symbols)."""
+    from thunder.core.compile_data import using_symbolic_values as thunders
+
+    return thunders()
+
+
+def static_number(x: NumberProxy) -> Any:
+    """The value of a number a DTensor op's spec depends on, guarded by the prologue under symbolic values.
+
+    A DTensor spec is concrete: a trace made for one value of the number must not run for another, so the
+    number is constrained to its traced value (thunder then checks it in the prologue, as for a branch on it).
+    """
+    if using_symbolic_values() and not x.is_static_constrained():
+        check(
+            not x.is_dynamic(),
+            lambda: f"a DTensor op needs the value of {x.name}, which is dynamic under cache='symbolic values'",
+            exception_type=NotImplementedError,
+        )
+        x.make_static_constrained()
+    return pyval(x)
+
+
+_DTENSOR_PROGRAM_FLAG = "_thunder_dtensor_traced_dtensor_ops"
+
+
+def note_dtensor_op_traced() -> None:
+    """Record on the jitted function's compile data that its program has DTensor ops (see ``traced_dtensor_ops``)."""
+    cd = get_compile_data()
+    if cd is not None and not getattr(cd, _DTENSOR_PROGRAM_FLAG, False):
+        setattr(cd, _DTENSOR_PROGRAM_FLAG, True)
+
+
+def traced_dtensor_ops() -> bool:
+    """Whether a program of the jitted function being compiled had DTensor ops (then or in an earlier trace)."""
+    return bool(getattr(get_compile_data(), _DTENSOR_PROGRAM_FLAG, False))
+
+
+def is_check_tensor_shape_and_metadata(prim: Any) -> bool:
+    from thunder import clang
+
+    return prim is clang.check_tensor_shape_and_metadata
+
+
 def make_spec(mesh: Any, placements: tuple, tensor_meta: Any) -> Any:
     return DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta)
 
@@ -844,6 +889,55 @@ def install_thunderfx_support(dtensor_node_support: Callable, plain_node_support
     fx_utils.input_to_example_input_meta = input_to_example_input_meta
     fx_splitter.translate_dtensor_ops = lambda gm: None
     fx_compiler._splitter = splitter
+
+
+def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
+    """Give DTensor sharding rules for ops it has none for, only while a thunderfx program is called.
+
+    Dynamo traces a thunderfx program by running it on fake DTensors, so each DTensor op needs DTensor's own
+    sharding rule even where thunder's dtensor symbol has one (CPU's fused attention). Each rule (torch's
+    public ``register_sharding`` form: acceptable (output placements, input placements) per mesh dim) is
+    registered with DTensor's propagator for the duration of a call of a thunderfx-compiled object, and
+    removed after it, so eager DTensor, ``thunder.jit`` and processes that never call thunderfx keep DTensor's
+    own behaviour. An op torch already has a rule for keeps torch's (nothing registered).
+    """
+    if not DISTRIBUTED_AVAILABLE:
+        return
+    from thunder.dynamo.compiler import ThunderFXCompiledObject
+    from torch.distributed.tensor.experimental import register_sharding
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    missing = {op: rule for op, rule in rules.items() if op not in propagator.op_strategy_funcs}
+    if not missing:
+        return
+    scoped: dict[Any, tuple] = {}
+    for op, rule in missing.items():
+        register_sharding(op)(rule)
+        scoped[op] = (propagator.op_strategy_funcs.pop(op), propagator.op_to_schema_info.pop(op, None))
+    thunderfx_call = ThunderFXCompiledObject.__call__
+    check(
+        getattr(thunderfx_call, "__name__", "") == "__call__",
+        lambda: "thunder.dynamo.compiler.ThunderFXCompiledObject.__call__ is not thunder 0.2.6's",
+    )
+
+    def call_with_sharding_rules(self: Any, *args: Any, **kwargs: Any) -> Any:
+        added = [op for op in scoped if op not in propagator.op_strategy_funcs]
+        for op in added:
+            strategy, schema_info = scoped[op]
+            propagator.op_strategy_funcs[op] = strategy
+            if schema_info is not None:
+                propagator.op_to_schema_info[op] = schema_info
+        try:
+            return thunderfx_call(self, *args, **kwargs)
+        finally:
+            for op in added:
+                propagator.op_strategy_funcs.pop(op, None)
+                propagator.op_to_schema_info.pop(op, None)
+            if added:
+                clear_sharding_propagation_cache()  # no decision made with the rule outlives the call
+
+    call_with_sharding_rules.__name__ = "call_with_sharding_rules"
+    ThunderFXCompiledObject.__call__ = call_with_sharding_rules
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -74,10 +74,27 @@ def add_prologue_spec_checks(prim: Any, prologue_trace: ti.TraceCtx, args: tuple
     The prologue reads ``x._spec`` and ``x._local_tensor`` and compares one tuple. thunder records the
     constraint as ``(prim, proxy, runtime spec)``; the expected key comes from the proxy, which was made
     from that runtime DTensor (its local stride included).
+
+    Under ``cache="symbolic values"`` thunder records only its own shape-and-metadata check, with symbolic
+    sizes. A DTensor program's specs are concrete, though: there a DTensor input gets the same check as
+    under constant values, and a plain tensor input a check of its concrete shape (``DTensor.from_local`` of
+    it, or an op mixing it in, traced specs from that shape). thunder's own check still runs after ours.
     """
+    if ti.using_symbolic_values() and ti.is_check_tensor_shape_and_metadata(prim):
+        (tensor,) = args
+        if isinstance(tensor, DTensorProxy):
+            _add_spec_check(prologue_trace, tensor, tensor.meta.spec)
+        elif ti.traced_dtensor_ops():
+            _run_check_concrete_shape(tensor, tuple(int(ti.pyval(s)) for s in tensor._shape))
+        return False
     if prim is not check_dtensor_spec_repr:
         return False
     dtensor, _runtime_spec = args
+    _add_spec_check(prologue_trace, dtensor, _runtime_spec)
+    return True
+
+
+def _add_spec_check(prologue_trace: ti.TraceCtx, dtensor: Any, _runtime_spec: Any) -> None:
     ti.check(isinstance(dtensor, DTensorProxy), lambda: f"expected a DTensorProxy, got {type(dtensor)}")
     spec = ti.AnyProxy(_runtime_spec, prefix="dtensor_spec")
     prologue_trace.bound_symbols.append(ti.bind_unpack_dtensor_spec(dtensor, spec))
@@ -86,7 +103,28 @@ def add_prologue_spec_checks(prim: Any, prologue_trace: ti.TraceCtx, args: tuple
     )
     prologue_trace.bound_symbols.append(ti.bind_unpack_local_tensor(dtensor, local))
     _run_check_dtensor_spec_repr(dtensor, spec, local, traced_input_key(dtensor))
-    return True
+
+
+def _check_concrete_shape_meta(t: Any, expected: tuple) -> None:
+    ti.check(isinstance(expected, tuple), lambda: f"expected a shape tuple, got {type(expected)}")
+
+
+def _check_concrete_shape_impl(t: Any, expected: tuple) -> None:
+    if tuple(t.shape) != expected:
+        raise RuntimeError(f"tensor input changed shape: traced {expected}, called with {tuple(t.shape)}")
+
+
+#: under cache="symbolic values", a plain tensor input of a DTensor program keeps its traced shape
+check_concrete_shape = ti.make_prim(
+    "thunder_dtensor.check_concrete_shape",
+    "check_concrete_shape",
+    meta=_check_concrete_shape_meta,
+    tags=(ti.OpTags.DONT_DCE,),
+)
+_run_check_concrete_shape = dtensor_ex.register_operator(
+    "check_concrete_shape", like=check_concrete_shape, fn=_check_concrete_shape_impl
+)
+dtensor_ex.register_implementation(check_concrete_shape, _run_check_concrete_shape, checker=_always)
 
 
 # --- the backward's cotangents: traced for one spec, they may arrive with another -------------------------

@@ -156,7 +156,8 @@ def collective_symbol(overload: Any) -> ti.Symbol:
 
 def _unwrap(x: Any, spec: Any, contiguous: bool, *, placements: str = "") -> torch.Tensor:
     actual = ti.dtensor_spec(x)
-    if actual is not spec and actual != spec:  # autograd handed in other placements: the value, placed as traced
+    # autograd handed in other placements: the value, placed as traced (a layout of its own is fine: see below)
+    if actual is not spec and (actual.mesh != spec.mesh or actual.placements != spec.placements):
         x = x.redistribute(spec.mesh, spec.placements)
     local = ti.local_tensor(x)
     return local.contiguous() if contiguous else local
@@ -347,6 +348,15 @@ def _tensor_for_a_number(node: Any) -> bool:
     return False
 
 
+def _without_dropout(node: Any) -> bool:
+    """An attention kernel (tagged random for its dropout) called with ``dropout_p=0`` draws no random numbers."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == "dropout_p":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", argument.default_value)
+            return isinstance(value, (int, float)) and value == 0
+    return False
+
+
 def _check_graph(graph: Any) -> None:
     for node in graph.nodes:
         if node.op == "get_attr":
@@ -364,7 +374,7 @@ def _check_graph(graph: Any) -> None:
             continue
         if _tensor_for_a_number(node):
             raise NotLowerable(f"{target} takes a traced tensor where its schema takes a number")
-        if torch.Tag.nondeterministic_seeded in target.tags:
+        if torch.Tag.nondeterministic_seeded in target.tags and not _without_dropout(node):
             raise NotLowerable(f"random op {target} (its generator state is eager DTensor's)")
         if target._schema.is_mutable:
             raise NotLowerable(f"in-place op {target}")
@@ -397,6 +407,7 @@ class _Lowering:
         self.local: dict[str, ti.TensorProxy] = {}  # DTensor proxy name -> its local proxy
         self.fake: dict[str, _Input] = {}  # local / plain proxy name -> exact local metadata (strides known)
         self.spec: dict[str, Any] = {}  # DTensor proxy name -> its actual spec, where it is not the annotation
+        self.layout: dict[str, Any] = {}  # DTensor proxy name -> the spec its unwrapped local value is read with
         self.materialized: set[str] = set()  # DTensor proxies that exist as runtime DTensors
         flat_inputs = ti.tree_flatten((trace.args, trace.kwargs))[0]
         self.guarded = {x.name for x in flat_inputs if isinstance(x, DTensorProxy)}  # local strides known
@@ -411,7 +422,8 @@ class _Lowering:
     def local_info(self, x: DTensorProxy) -> _Input:
         """The metadata of ``x``'s local value: as made, or as an unwrap will read it."""
         if x.name in self.local:
-            return dataclasses.replace(self.fake[self.local[x.name].name], spec=self.spec_of(x))
+            spec = self.layout.get(x.name) or self.spec_of(x)
+            return dataclasses.replace(self.fake[self.local[x.name].name], spec=spec)
         return _dtensor_info(x, self.spec_of(x), x.meta.local_stride if x.name in self.guarded else None)
 
     def local_of(self, x: DTensorProxy) -> ti.TensorProxy:
@@ -426,6 +438,7 @@ class _Lowering:
         self.bsyms.append(unwrap_dtensor.bind(x, info.spec, contiguous, placements=_readable(info.spec), output=out))
         self.fake[out.name] = dataclasses.replace(info, spec=None)
         self.local[x.name] = out
+        self.layout[x.name] = info.spec
         return out
 
     def plain_in(self, x: ti.TensorProxy) -> tuple[ti.TensorProxy, _Input]:
@@ -483,10 +496,11 @@ class _Lowering:
                 self.spec[proxy.name] = out.meta.spec
 
     def snapshot(self) -> tuple:
-        return len(self.bsyms), dict(self.local), dict(self.fake), dict(self.spec), set(self.materialized)
+        state = (dict(self.local), dict(self.fake), dict(self.spec), dict(self.layout), set(self.materialized))
+        return len(self.bsyms), *state
 
     def restore(self, saved: tuple) -> None:
-        n, self.local, self.fake, self.spec, self.materialized = saved
+        n, self.local, self.fake, self.spec, self.layout, self.materialized = saved
         del self.bsyms[n:]
 
     # --- lowering one prim ----------------------------------------------------------------------------------
@@ -659,12 +673,24 @@ def _assumed_cotangent_info(cotangent: Any) -> _Input:
 
 
 def _dtensor_info(x: DTensorProxy, spec: Any, local_stride: tuple[int, ...] | None) -> _Input:
-    """A DTensor argument's local metadata under ``spec``: ``local_stride`` where known, else contiguous."""
+    """A DTensor argument's local metadata under ``spec``: ``local_stride`` where known, else contiguous.
+
+    A contiguous local value goes with a contiguous global stride: a DTensor's stride says how its local
+    tensor is laid out (DTensor decides view or copy by it), so a spec that kept another value's stride
+    around a contiguous local would make DTensor view where it must copy.
+    """
     dtype, device = x.meta.dtype, ti.devices.to_torch_device(x.device)
     if local_stride is not None:
         return _Input(spec, x.local_shape, local_stride, dtype, device)
     shape = ti.local_shape_on(tuple(x.shape), spec.mesh, tuple(spec.placements))
-    return _Input(spec, shape, contiguous_stride(shape), dtype, device)
+    return _Input(contiguous_spec(spec), shape, contiguous_stride(shape), dtype, device)
+
+
+def contiguous_spec(spec: Any) -> Any:
+    """``spec`` with the row-major global stride (the layout of a DTensor around a contiguous local tensor)."""
+    shape = tuple(spec.tensor_meta.shape)
+    stride = contiguous_stride(shape)
+    return spec if tuple(spec.tensor_meta.stride) == stride else ti.spec_with_sizes(spec, shape, stride)
 
 
 def _contiguous_info(x: ti.TensorProxy) -> _Input:

@@ -46,7 +46,7 @@ def to_torch_value(x: Any) -> Any:
     if isinstance(x, ti.devices.Device):
         return ti.devices.to_torch_device(x)
     if isinstance(x, ti.NumberProxy):
-        return ti.pyval(x)
+        return ti.static_number(x)
     return x
 
 
@@ -209,6 +209,8 @@ def propagated_fakes(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict
     prim would trace before the prim is called (a failing prim call leaves thunder's trace scopes open).
     """
     flat, tree = ti.tree_flatten((args, kwargs))
+    if ti.using_symbolic_values():  # the prologue then guards concrete shapes (guards.add_prologue_spec_checks)
+        ti.note_dtensor_op_traced()
     key = _propagation_key(op_name, flat, tree)
     return PROPAGATION_CACHE.get_or_compute(
         key, lambda: _fake_outputs_of_call(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors

@@ -48,6 +48,12 @@ class DTensorProxy(ti.TensorProxy):
     def local_shape(self) -> tuple[int, ...]:
         return self.meta.local_shape
 
+    def stride(self, dim: int | None = None) -> tuple[int, ...] | int:
+        """``DTensor.stride()``: the global stride of the spec (guarded by the prologue for program inputs,
+        given by DTensor's sharding propagation for the values it computes), a constant of the trace."""
+        stride = self.meta.stride
+        return stride if dim is None else stride[dim]
+
     def type_string(self) -> str:
         return f"DTensor {self.device.device_str()} {self.dtype.shortname()}{list(self._shape)} {self.meta.describe()}"
 

@@ -172,3 +172,25 @@ def _replicate(t: Any) -> Any:
 register_function_for_dtensor(
     F.scaled_dot_product_attention, ltorch.scaled_dot_product_attention, dtensor_scaled_dot_product_attention
 )
+
+
+def cpu_fused_attention_shardings(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """DTensor's sharding choices for CPU's fused attention kernel, which DTensor has no rule for.
+
+    What :func:`dtensor_scaled_dot_product_attention` does, said to DTensor: batch- or head-sharded q, k, v (and
+    output and logsumexp) attend on local shards; anything else is replicated first. Used only while dynamo
+    traces a thunderfx program (``_integration.scope_sharding_rules_to_thunderfx_calls``), whose fake run of the
+    attention needs an output spec; the program thunder builds runs the rule above.
+    """
+    replicate = ti.Replicate()
+    choices = [([replicate, replicate], [replicate, replicate, replicate, None, None])]
+    if attn_mask is None and dropout_p == 0.0:
+        for dim in (0, 1):
+            shard = ti.Shard(dim)
+            choices.append(([shard, shard], [shard, shard, shard, None, None]))
+    return choices
+
+
+ti.scope_sharding_rules_to_thunderfx_calls(
+    {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: cpu_fused_attention_shardings}
+)

@@ -276,10 +276,15 @@ if DISTRIBUTED_AVAILABLE:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DeviceMesh, DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 else:  # pragma: no cover - exercised by the no-distributed test through a subprocess
     FakeTensorMode = DeviceMesh = DTensor = DTensorSpec = TensorMeta = None
-    Partial = Placement = Replicate = Shard = None
+    Partial = Placement = Replicate = Shard = _StridedShard = None
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """A ``_StridedShard`` (private placement: a reshape of a transposed shard gives one)."""
+    return _StridedShard is not None and isinstance(placement, _StridedShard)
 
 
 def torch_tree_flatten(tree: Any) -> tuple[list, Any]:
@@ -719,6 +724,16 @@ def is_check_tensor_shape_and_metadata(prim: Any) -> bool:
     from thunder import clang
 
     return prim is clang.check_tensor_shape_and_metadata
+
+
+def may_return_views(symbol: Any) -> bool:
+    """Whether thunder's alias pass treats ``symbol`` as returning views of its first argument."""
+    return symbol in ltorch._syms_returning_views or symbol in ltorch._syms_that_may_return_views
+
+
+def mark_may_return_views(symbol: Symbol) -> None:
+    """Make thunder's alias pass (``update_aliases``) treat ``symbol`` as one that may return a view."""
+    ltorch._syms_that_may_return_views.add(symbol)
 
 
 def make_spec(mesh: Any, placements: tuple, tensor_meta: Any) -> Any:

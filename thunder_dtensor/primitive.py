@@ -491,7 +491,9 @@ def _has_complex_tensor(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(x, ti.TensorProxy) and ti.dtypes.is_complex_dtype(x.dtype) for x in flat)
 
 
-def define_vjp(prim: ti.Symbol) -> Callable[[Callable], Callable]:
+def define_vjp(
+    prim: ti.Symbol, *, generic_when: Callable[[tuple, dict], bool] | None = None
+) -> Callable[[Callable], Callable]:
     """Register the decorated ``vjp(g, out, *args, **kwargs) -> grads`` as ``prim``'s grad rule.
 
     ``grads`` holds one entry per positional argument (None where there is no gradient). The rule is
@@ -499,14 +501,18 @@ def define_vjp(prim: ti.Symbol) -> Callable[[Callable], Callable]:
     eager DTensor's backward. For several outputs, ``g`` is the tuple of their cotangents.
 
     Dedicated rules are written for real tensors: a call with a complex tensor keeps the generic rule, whose
-    gradients are torch's (conjugate Wirtinger derivatives) by construction.
+    gradients are torch's (conjugate Wirtinger derivatives) by construction. ``generic_when(args, kwargs)``
+    names further calls that keep the generic rule (eager's own backward, traced).
     """
 
     def register(vjp: Callable) -> Callable:
         generic = GENERIC_GRAD_RULES.get(prim.name)
 
         def grad_rule(*args: Any, **kwargs: Any) -> Any:
-            if generic is not None and _has_complex_tensor(args, kwargs):
+            keep_generic = _has_complex_tensor(args, kwargs) or (
+                generic_when is not None and generic_when(args, kwargs)
+            )
+            if generic is not None and keep_generic:
                 return generic(*args, **kwargs)
             out = prim(*args, **kwargs)
             g = ti.tree_map(_cotangent_or_none, out) if isinstance(out, (tuple, list)) else ti.get_grad(out)

@@ -66,23 +66,8 @@ def _prim_name_has(word: str) -> Callable[[str], bool]:
     return lambda name: word in name and not name.startswith(("dtensor_to_local", "dtensor_from_local"))
 
 
-#: placements only (values right), also with the lowering off: a transposed Shard(0) value reshaped to 1-D is a
-#: _StridedShard; redistributing it to Replicate, eager's gradient goes back through _StridedShard to Shard(0),
-#: thunder's ends Replicate (the pointwise backward of _StridedShard values gathers both operands)
-STRIDED_SHARD_GRADIENT = pytest.mark.xfail(
-    reason="a _StridedShard gradient's placements after redistribute: Replicate where eager gives Shard(0)",
-    strict=True,
-)
-
-
 def _cases() -> list:
-    cases = []
-    for layout in LAYOUTS:
-        for op in OPS:
-            for p in ("S0", "S1", "R"):
-                marks = [STRIDED_SHARD_GRADIENT] if (layout, op, p) == ("transposed", "reshape", "S0") else []
-                cases.append(pytest.param(layout, op, p, marks=marks))
-    return cases
+    return [(layout, op, p) for layout in LAYOUTS for op in OPS for p in ("S0", "S1", "R")]
 
 
 PLACEMENTS = {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()]}
@@ -101,7 +86,9 @@ def _program(layout: str, op: str) -> Callable:
     def program(x: torch.Tensor) -> torch.Tensor:
         y = make_layout(x * 2.0)  # lowered (mul), then a non-contiguous value
         # replicated at the end: eager's gradient placements follow the cotangent's, which is then a plain one
-        # (a _StridedShard output's cotangent, distributed anew, leads eager's backward elsewhere)
+        # (a _StridedShard output's cotangent, distributed anew, leads eager's backward elsewhere). Regression:
+        # the transposed Shard(0) value reshaped to 1-D is a _StridedShard; its gradient came back Replicate
+        # where eager's is Shard(0) (redistribute's gradient lost the input's shard order)
         return _replicated(apply_op(y).sin())
 
     return program

@@ -60,11 +60,21 @@ def fallback_name(torch_fn: Callable) -> str:
     return f"{prefix}_{name}"
 
 
+#: torch functions whose thunder symbol returns (or may return) a view of its input
+VIEW_FUNCTIONS: set[Callable] = set()
+
+
 def fallback_prim(torch_fn: Callable) -> ti.Symbol:
-    """The dtensor prim for ``torch_fn``, made on first use (one per torch function)."""
+    """The dtensor prim for ``torch_fn``, made on first use (one per torch function).
+
+    The prim of a view op is a view op for thunder's alias pass too: an in-place write into a view of a
+    DTensor (``y[:, :1].mul_(0.5)``) then updates the viewed DTensor's later reads, as for plain tensors.
+    """
     prim = FALLBACK_PRIMS.get(torch_fn)
     if prim is None:
         prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(fallback_name(torch_fn), torch_fn)
+        if torch_fn in VIEW_FUNCTIONS:
+            ti.mark_may_return_views(prim)
     return prim
 
 
@@ -160,6 +170,8 @@ def register_fallbacks() -> int:
         name = getattr(torch_fn, "__name__", "")
         if torch_fn in DISPATCH_TABLE or _is_ours(single) or _is_in_place(name):
             continue
+        if ti.may_return_views(single):
+            VIEW_FUNCTIONS.add(torch_fn)
         if name in _METADATA_METHODS and isinstance(single, ti.Symbol):
             dtensor_symbol: Any = ti.accept_dtensor_proxies(single)
         else:
@@ -175,6 +187,8 @@ def register_fallbacks() -> int:
         torch_fn = _torch_callable_for_method(method_name)
         if torch_fn is None:
             continue
+        if ti.may_return_views(single):
+            VIEW_FUNCTIONS.add(torch_fn)
         existing = DISPATCH_TABLE.get(torch_fn)
         if existing is not None:
             dispatcher = DTensorDispatcher(single, existing.dtensor_symbol)

@@ -34,6 +34,7 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
+from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.ops.fallback import fallback_prim
 from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand
@@ -175,6 +176,15 @@ def _setitem(a: Any, key: Any, value: Any) -> None:
     a[key] = value
 
 
+def _is_a_view(a: DTensorProxy) -> bool:
+    """Whether ``a`` was made by a view op in the trace being built (thunder's alias pass sees it as a view)."""
+    trace = ti.get_tracectx()
+    for bsym in reversed(trace.bound_symbols if trace is not None else ()):
+        if any(o is a or getattr(o, "name", None) == a.name for o in bsym.flat_proxy_outs):
+            return ti.may_return_views(bsym.sym)
+    return False
+
+
 def inplace_symbol(name: str, torch_fn: Callable) -> ti.Symbol:
     """The torch-level dtensor symbol for the in-place op ``name`` (one per name); ``torch_fn`` writes its 1st arg."""
     symbol = INPLACE_SYMBOLS.get(name)
@@ -185,6 +195,16 @@ def inplace_symbol(name: str, torch_fn: Callable) -> ti.Symbol:
 
     def inplace(a, *args, **kwargs):
         grad_enabled = ti.grad_enabled_while_tracing()
+        if grad_enabled and isinstance(a, DTensorProxy) and a.requires_grad and _is_a_view(a):
+            raise DTensorOpError(
+                name,
+                (a, *args),
+                kwargs,
+                "an in-place write into a view of a DTensor that requires grad: thunder 0.2.6 loses the write "
+                "under autodiff (its forward drops it; for plain tensors its gradients are wrong)",
+                hint="write out of place (y = torch.cat([y[:, :1] * 0.5, y[:, 1:]], 1), torch.where), or write "
+                "into the viewed DTensor itself, or run this part under torch.no_grad()",
+            )
         source = dtensor_snapshot_prim(a) if snapshot and grad_enabled and isinstance(a, DTensorProxy) else a
         return dtensor_copy__prim(value_prim(source, *args, **kwargs), a, grad_enabled=grad_enabled)
 

@@ -28,7 +28,14 @@ def grad_placements_for(placements: Sequence[Any]) -> tuple:
     return tuple(ti.Replicate() if p.is_partial() else p for p in placements)
 
 
-@define_vjp(dtensor_redistribute_prim)
+def _strided_shard_input(args: tuple, kwargs: dict) -> bool:
+    """A ``_StridedShard`` input (a reshaped transposed shard): its gradient must come back with the input's
+    exact spec (its shard order), which eager's backward gives and a fresh redistribute to its placements does
+    not (DTensor then gathers the pointwise ops that meet it: other placements than eager's)."""
+    return any(ti.is_strided_shard(p) for p in args[0].placements)
+
+
+@define_vjp(dtensor_redistribute_prim, generic_when=_strided_shard_input)
 def _redistribute_vjp(g, out, a, placements):
     target = grad_placements_for(a.placements)
     return (g if tuple(g.placements) == target else dtensor_redistribute_prim(g, target),)

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
 RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 
-.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench clean
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ test-dist4: setup
 op-coverage: setup
 	$(RUN2) scripts/op_coverage.py
 	$(RUN4) scripts/op_coverage.py
+
+# differential fuzzing: random DTensor programs vs plain torch and eager DTensor, thunder.jit with the lowering on
+# and off (scripts/fuzz.py; about 1 s per program on 2 cores). Both world sizes run; fails if either finds a failure.
+# e.g. make fuzz FUZZ_SEEDS=1000:1500 FUZZ_ARGS="--stop-on-failure --repro-dir /tmp/repros"
+FUZZ_SEEDS ?= 0:300
+FUZZ_ARGS ?=
+fuzz: setup
+	$(RUN2) scripts/fuzz.py --seeds $(FUZZ_SEEDS) $(FUZZ_ARGS); s2=$$?; \
+	$(RUN4) scripts/fuzz.py --seeds $(FUZZ_SEEDS) $(FUZZ_ARGS); s4=$$?; \
+	test $$s2 -eq 0 && test $$s4 -eq 0
 
 tp-demo: setup
 	$(RUN2) examples/tp_transformer.py

@@ -196,14 +196,16 @@ _unary_vjp(
     lambda g, out, a: dtensor_mul_prim(g, dtensor_mul_prim(dtensor_pow_prim(out, 3), -0.5)),
 )
 _unary_vjp(dtensor_reciprocal_prim, lambda g, out, a: dtensor_neg_prim(dtensor_mul_prim(g, dtensor_mul_prim(out, out))))
-_unary_vjp(
-    dtensor_tanh_prim,
-    lambda g, out, a: dtensor_mul_prim(g, dtensor_sub_prim(1, dtensor_mul_prim(out, out))),
-)
-_unary_vjp(
-    dtensor_sigmoid_prim,
-    lambda g, out, a: dtensor_mul_prim(g, dtensor_mul_prim(out, dtensor_sub_prim(1, out))),
-)
+# Where eager's backward is a fused ATen op (derivatives.yaml: tanh_backward, sigmoid_backward,
+# threshold_backward, silu_backward), the rule calls that op: DTensor's strategy for it decides the gradient's
+# placements (a Partial cotangent is reduced first: the op is pointwise, not linear), not a hand decomposition
+# into mul (which keeps Partial).
+dtensor_tanh_backward_prim = define_dtensor_prim("tanh_backward", torch.ops.aten.tanh_backward.default)
+dtensor_sigmoid_backward_prim = define_dtensor_prim("sigmoid_backward", torch.ops.aten.sigmoid_backward.default)
+dtensor_threshold_backward_prim = define_dtensor_prim("threshold_backward", torch.ops.aten.threshold_backward.default)
+dtensor_silu_backward_prim = define_dtensor_prim("silu_backward", torch.ops.aten.silu_backward.default)
+_unary_vjp(dtensor_tanh_prim, lambda g, out, a: dtensor_tanh_backward_prim(g, out))
+_unary_vjp(dtensor_sigmoid_prim, lambda g, out, a: dtensor_sigmoid_backward_prim(g, out))
 _unary_vjp(dtensor_sin_prim, lambda g, out, a: dtensor_mul_prim(g, dtensor_cos_prim(a)))
 _unary_vjp(dtensor_cos_prim, lambda g, out, a: dtensor_neg_prim(dtensor_mul_prim(g, dtensor_sin_prim(a))))
 _unary_vjp(
@@ -212,18 +214,8 @@ _unary_vjp(
         g, dtensor_mul_prim(dtensor_exp_prim(dtensor_neg_prim(dtensor_mul_prim(a, a))), 2.0 / math.sqrt(math.pi))
     ),
 )
-_unary_vjp(dtensor_relu_prim, lambda g, out, a: dtensor_where_prim(dtensor_gt_prim(out, 0), g, 0.0))
-
-
-def _silu_grad(g, out, a):
-    sig = dtensor_sigmoid_prim(a)
-    # d/da a*s(a) = s(a) * (1 + a * (1 - s(a)))
-    return dtensor_mul_prim(
-        g, dtensor_mul_prim(sig, dtensor_add_prim(dtensor_mul_prim(a, dtensor_sub_prim(1, sig)), 1))
-    )
-
-
-_unary_vjp(dtensor_silu_prim, _silu_grad)
+_unary_vjp(dtensor_relu_prim, lambda g, out, a: dtensor_threshold_backward_prim(g, out, 0))
+_unary_vjp(dtensor_silu_prim, lambda g, out, a: dtensor_silu_backward_prim(g, a))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -37,8 +37,9 @@ def _strided_shard_input(args: tuple, kwargs: dict) -> bool:
 
 @define_vjp(dtensor_redistribute_prim, generic_when=_strided_shard_input)
 def _redistribute_vjp(g, out, a, placements):
-    target = grad_placements_for(a.placements)
-    return (g if tuple(g.placements) == target else dtensor_redistribute_prim(g, target),)
+    # Always the prim: g is labelled with out's spec, but eager's backward may deliver it placed otherwise
+    # (a view's gradient sharded where out is replicated); eager's backward redistributes it to the input's.
+    return (dtensor_redistribute_prim(g, grad_placements_for(a.placements)),)
 
 
 def _normalize_placements(a: DTensorProxy, placements: Sequence[Any] | None) -> tuple:
@@ -59,8 +60,10 @@ def dtensor_redistribute(
         lambda: "DTensor.redistribute to another mesh is not supported under thunder.jit",
     )
     placements = _normalize_placements(a, placements)
-    if placements == tuple(a.placements):
+    if placements == tuple(a.placements) and not a.requires_grad:
         return a
+    # eager's Redistribute runs (and its backward redistributes the gradient to the input's placements) even
+    # when the placements are already the requested ones
     return dtensor_redistribute_prim(a, placements)
 
 

@@ -37,6 +37,7 @@ if DISTRIBUTED_AVAILABLE:
         backward_cotangent_check=lambda trace: prune_unused_vjp_gradients(guards.match_cotangent_specs(trace)),
         cotangent_add=ops.pointwise.accumulate_cotangents,
         bind_dtensor_zeros=ops.factories.bind_zero_cotangent,
+        joint_trace_check=guards.propagate_gradient_specs,
     )
     _integration.set_cotangent_proxy_factory(guards.make_cotangent_proxy)
     _integration.make_isinstance_see_dtensor_proxies(DTensorProxy)

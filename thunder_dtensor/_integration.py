@@ -218,7 +218,7 @@ from thunder.core.langctxs import Languages, langctx  # noqa: E402
 from thunder.core.prims import OpTags, make_prim  # noqa: E402
 from thunder.core.proxies import AnyProxy, NumberProxy, Proxy, TensorProxy, pyval, variableify  # noqa: E402
 from thunder.core.pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
-from thunder.core.symbol import BoundSymbol, Symbol  # noqa: E402
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag, Symbol  # noqa: E402
 from thunder.core.trace import TraceCtx, from_trace, get_tracectx, tracectx  # noqa: E402
 from thunder.core.transforms import get_grad, put_grad, put_grads, register_grad  # noqa: E402
 from thunder.extend import OperatorExecutor, add_always_executor, register_executor  # noqa: E402
@@ -230,6 +230,7 @@ _refresh_constant_folding_inverse_map()
 __all__ = [
     "AnyProxy",
     "BoundSymbol",
+    "BoundSymbolTag",
     "DataDependentOutputException",
     "DISTRIBUTED_AVAILABLE",
     "Languages",
@@ -649,6 +650,7 @@ def install_thunder_hooks(
     backward_cotangent_check: Callable,
     cotangent_add: Callable,
     bind_dtensor_zeros: Callable,
+    joint_trace_check: Callable,
 ) -> None:
     """Point thunder's DTensor hooks at this package (thunder 0.2.6 layout)."""
     import thunder.core.jit_ext as jit_ext
@@ -665,6 +667,14 @@ def install_thunder_hooks(
     # autodiff imports this at call time.
     thunder_dtensor_utils.check_dtensor_cotangent_metadata_in_backward = backward_cotangent_check
     autodiff.ltorch = _AutodiffTorchNamespace(cotangent_add, bind_dtensor_zeros)
+    # thunder.__init__ imports this at call time: the joint forward-backward trace passes through our check
+    grad_transform_on_trace = autodiff.grad_transform_on_trace
+
+    @functools.wraps(grad_transform_on_trace)
+    def checked_grad_transform_on_trace(trace: TraceCtx, *args: Any, **kwargs: Any) -> TraceCtx:
+        return joint_trace_check(grad_transform_on_trace(trace, *args, **kwargs))
+
+    autodiff.grad_transform_on_trace = checked_grad_transform_on_trace
 
 
 def set_cotangent_proxy_factory(make_cotangent: Callable) -> None:

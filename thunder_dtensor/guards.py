@@ -8,7 +8,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy
 
-__all__ = ["check_dtensor_spec_repr", "dtensor_cotangent_to_spec_prim", "dtensor_input_key"]
+__all__ = ["check_dtensor_spec_repr", "dtensor_cotangent_to_spec_prim", "dtensor_input_key", "propagate_gradient_specs"]
 
 
 def _always(*args: Any, **kwargs: Any) -> bool:
@@ -180,6 +180,55 @@ def match_cotangent_specs(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
                     matched = DTensorProxy(like=ct)
                 bsyms.append(_run_dtensor_cotangent_to_spec.bind(ct, ct.meta.spec, output=matched))
                 swap[ti.variableify(ct)] = matched
+    new_trace.bound_symbols = bsyms
+    return new_trace
+
+
+def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
+    """Re-propagate the backward's specs from the gradients that actually flow, as eager's backward does.
+
+    thunder's autodiff traces each grad rule, in forward order, on a stand-in for its output's cotangent
+    (``make_cotangent_proxy``: the primal's spec), then swaps the stand-in for the gradient the later ops'
+    rules computed, whose spec is DTensor's own and may differ (a Partial value's gradient is often Partial,
+    a sharded one comes out of a matmul's backward). The rule's outputs keep the specs traced for the
+    stand-in, and the executor pass re-runs the metas on the swapped inputs without updating them: the trace
+    is inconsistent (a stale spec, or a rejection eager never meets). Here each backward step that reads a
+    DTensor is traced again on its actual inputs, in order, and its outputs replaced where their specs change.
+    """
+    new_trace = ti.from_trace(joint_trace)
+    swap: dict = {}
+    bsyms: list = []
+    for bsym in joint_trace.bound_symbols:
+        if swap:
+            bsym = bsym.from_bsym_swap_proxies(swap)
+        if (
+            ti.BoundSymbolTag.BACKWARD not in bsym.tags
+            or bsym.sym.id in (ti.prims.PrimIDs.GET_GRAD, ti.prims.PrimIDs.PUT_GRAD)
+            or not any(isinstance(o, DTensorProxy) for o in bsym.flat_outs)
+            or not any(isinstance(a, DTensorProxy) for a in bsym.flat_proxy_args)
+        ):
+            bsyms.append(bsym)
+            continue
+        with ti.tracectx(new_trace):
+            new_trace.push_scope([])
+            out = bsym.sym(*bsym.args, **bsym.kwargs)
+            retraced = new_trace.pop_scope()
+        old_outs, new_outs = ti.tree_flatten(bsym.output)[0], ti.tree_flatten(out)[0]
+        ti.check(len(old_outs) == len(new_outs), lambda: f"{bsym.sym.name} changed its outputs when retraced")
+        changed = [
+            (o, n)
+            for o, n in zip(old_outs, new_outs)
+            if isinstance(o, DTensorProxy) and (o.meta.spec, o.local_shape) != (n.meta.spec, n.local_shape)
+        ]
+        if not changed:
+            bsyms.append(bsym)
+            continue
+        for b in retraced:
+            b.tags |= bsym.tags
+        bsyms.extend(retraced)
+        for o, n in zip(old_outs, new_outs):
+            if isinstance(o, ti.Proxy) and isinstance(n, ti.Proxy):
+                swap[ti.variableify(o)] = n
     new_trace.bound_symbols = bsyms
     return new_trace
 

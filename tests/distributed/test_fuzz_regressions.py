@@ -100,3 +100,26 @@ def test_attention_without_dropout_is_lowered():
     result = run_case(case, compare_eager=False)
     executed = str(thunder.last_traces(result.jitted)[-1]) + str(thunder.last_backward_traces(result.jitted)[-1])
     assert "not lowered" not in executed, executed
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_backward_specs_follow_the_gradients_that_flow(lowering):
+    """thunder traces each grad rule on a stand-in cotangent with its primal's spec; the gradient that later
+    flows in may be placed otherwise (Partial here). The backward is propagated again on the actual gradients
+    (was: a stale Replicate label led the linear's backward to a Shard(0) gradient, and the view's backward
+    then rejected an uneven unflatten that eager, receiving Partial, never meets)."""
+
+    def fn(x: torch.Tensor, other: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([x, other], dim=0).view(42)
+        return F.rms_norm(F.linear(y, w, b)[4:], (1,), eps=1e-6)
+
+    inputs = [
+        make_full((5, 6), seed=8),
+        make_full((2, 6), seed=9),
+        make_full((5, 42), seed=10),
+        make_full((5,), seed=11),
+    ]
+    placements = [[Shard(0)], [Replicate()], [Shard(1)], [Partial()]]
+    case = DTensorCase(fn, inputs, placements, requires_grad=[False, True, False, False], mesh=mesh_1d())
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})

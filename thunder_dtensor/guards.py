@@ -214,7 +214,7 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
             out = bsym.sym(*bsym.args, **bsym.kwargs)
             retraced = new_trace.pop_scope()
         old_outs, new_outs = ti.tree_flatten(bsym.output)[0], ti.tree_flatten(out)[0]
-        ti.check(len(old_outs) == len(new_outs), lambda: f"{bsym.sym.name} changed its outputs when retraced")
+        ti.check(len(old_outs) == len(new_outs), lambda name=bsym.sym.name: f"{name} changed its outputs when retraced")
         changed = [
             (o, n)
             for o, n in zip(old_outs, new_outs)

@@ -36,7 +36,7 @@ def test_from_local_with_the_shape_and_stride_of_a_dtensor_in_the_program(loweri
 
 @pytest.mark.world_size(2)
 @LOWERING
-@pytest.mark.parametrize("activation", ["sigmoid", "tanh", "silu", "relu"])
+@pytest.mark.parametrize("activation", ["sigmoid", "tanh", "silu", "relu", "gelu"])
 def test_activation_gradient_of_a_partial_cotangent_is_reduced_as_eager_does(activation, lowering):
     """An activation's backward is its fused ATen op (pointwise, not linear): a Partial cotangent is reduced
     first, as in eager (was: the hand-written ``g * f'(x)`` kept the gradient Partial where eager's is Replicate).
@@ -122,4 +122,18 @@ def test_backward_specs_follow_the_gradients_that_flow(lowering):
     ]
     placements = [[Shard(0)], [Replicate()], [Shard(1)], [Partial()]]
     case = DTensorCase(fn, inputs, placements, requires_grad=[False, True, False, False], mesh=mesh_1d())
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_of_a_partial_value_is_replicated_as_eager_does(approximate, lowering):
+    """gelu is one op for DTensor (was: a decomposition into mul and erf kept a Partial input's output Partial
+    where eager's gelu reduces it first; values were right)."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate=approximate)
+
+    case = DTensorCase(fn, [make_full((4, 12), seed=12)], [[Partial()]], mesh=mesh_1d())
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})

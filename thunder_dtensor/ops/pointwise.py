@@ -299,19 +299,26 @@ def dtensor_clamp(a, min=None, max=None):
     return dtensor_clamp_prim(a, min, max)
 
 
+# gelu is one prim, and its gradient eager's fused ``gelu_backward``: DTensor's rules for the op itself decide
+# the placements (a Partial input is reduced first: gelu is not linear), not a decomposition into mul / erf,
+# which kept the output Partial.
+dtensor_gelu_prim = define_dtensor_prim(
+    "gelu", lambda a, approximate="none": torch.nn.functional.gelu(a, approximate=approximate)
+)
+dtensor_gelu_backward_prim = define_dtensor_prim(
+    "gelu_backward", lambda g, a, approximate: torch.ops.aten.gelu_backward.default(g, a, approximate=approximate)
+)
+
+
+@define_vjp(dtensor_gelu_prim)
+def _gelu_vjp(g, out, a, approximate="none"):
+    return (dtensor_gelu_backward_prim(g, a, approximate),)
+
+
 @define_dtensor_symbol
 def dtensor_gelu(a, approximate="none"):
-    if approximate == "tanh":
-        # 0.5 * a * (1 + tanh(sqrt(2/pi) * (a + 0.044715 a^3)))
-        inner = dtensor_mul_prim(
-            dtensor_add_prim(a, dtensor_mul_prim(dtensor_pow_prim(a, 3), 0.044715)), math.sqrt(2.0 / math.pi)
-        )
-        return dtensor_mul_prim(dtensor_mul_prim(a, 0.5), dtensor_add_prim(dtensor_tanh_prim(inner), 1))
-    ti.check(approximate == "none", lambda: f"gelu: unknown approximate={approximate!r}")
-    # 0.5 * a * (1 + erf(a / sqrt(2)))
-    return dtensor_mul_prim(
-        dtensor_mul_prim(a, 0.5), dtensor_add_prim(dtensor_erf_prim(dtensor_mul_prim(a, 1.0 / math.sqrt(2.0))), 1)
-    )
+    ti.check(approximate in ("none", "tanh"), lambda: f"gelu: unknown approximate={approximate!r}")
+    return dtensor_gelu_prim(a, approximate)
 
 
 @define_dtensor_symbol

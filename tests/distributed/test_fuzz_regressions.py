@@ -137,3 +137,20 @@ def test_gelu_of_a_partial_value_is_replicated_as_eager_does(approximate, loweri
 
     case = DTensorCase(fn, [make_full((4, 12), seed=12)], [[Partial()]], mesh=mesh_1d())
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_in_place_write_into_a_view_dtensor_computes_on_gathered_data_is_refused(lowering):
+    """``y[:1]`` of a Shard(0) DTensor is gathered (a copy): a write into it never reaches ``y``. Eager DTensor
+    loses it silently (a torch bug); thunder_dtensor refuses it at trace time (was: the same silent loss)."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y[:1].mul_(0.5)
+        return y
+
+    x = distribute_tensor(make_full((6, 8), seed=13), mesh_1d(), [Shard(0)])
+    with pytest.raises(DTensorOpError, match="computed on gathered data") as error:
+        thunder.jit(fn, dtensor_lowering=lowering)(x)
+    assert "placements=" in str(error.value) and "hint:" in str(error.value)

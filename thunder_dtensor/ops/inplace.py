@@ -176,13 +176,52 @@ def _setitem(a: Any, key: Any, value: Any) -> None:
     a[key] = value
 
 
-def _is_a_view(a: DTensorProxy) -> bool:
-    """Whether ``a`` was made by a view op in the trace being built (thunder's alias pass sees it as a view)."""
+def _view_made_by(a: DTensorProxy) -> ti.BoundSymbol | None:
+    """The view op that made ``a`` in the trace being built (thunder's alias pass sees it as a view), or None."""
     trace = ti.get_tracectx()
     for bsym in reversed(trace.bound_symbols if trace is not None else ()):
         if any(o is a or getattr(o, "name", None) == a.name for o in bsym.flat_proxy_outs):
-            return ti.may_return_views(bsym.sym)
-    return False
+            return bsym if ti.may_return_views(bsym.sym) else None
+    return None
+
+
+def _gathered_by(view: ti.BoundSymbol, a: DTensorProxy) -> bool:
+    """Whether DTensor ran the view on gathered data: a mesh dim sharded in its input is Replicate in ``a``,
+    so ``a`` is a copy, and a write into it never reaches the viewed DTensor (eager DTensor loses it too)."""
+    source = next((x for x in view.flat_proxy_args if isinstance(x, DTensorProxy)), None)
+    if source is None or source.device_mesh != a.device_mesh:
+        return False
+    return any(
+        (isinstance(p, ti.Shard) or ti.is_strided_shard(p)) and isinstance(q, ti.Replicate)
+        for p, q in zip(source.placements, a.placements)
+    )
+
+
+def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enabled: bool) -> None:
+    """Refuse, at trace time, the in-place writes into views whose result would be silently wrong."""
+    view = _view_made_by(a) if isinstance(a, DTensorProxy) else None
+    if view is None:
+        return
+    if _gathered_by(view, a):
+        raise DTensorOpError(
+            name,
+            (a, *args),
+            kwargs,
+            f"an in-place write into a view ({view.sym.name}) that DTensor computed on gathered data: the view is "
+            "a copy, so the write would not reach the viewed DTensor (eager DTensor loses it silently)",
+            hint="write out of place (torch.cat / torch.where), or redistribute the viewed DTensor to Replicate "
+            "before taking the view",
+        )
+    if grad_enabled and a.requires_grad:
+        raise DTensorOpError(
+            name,
+            (a, *args),
+            kwargs,
+            "an in-place write into a view of a DTensor that requires grad: thunder 0.2.6 loses the write "
+            "under autodiff (its forward drops it; for plain tensors its gradients are wrong)",
+            hint="write out of place (y = torch.cat([y[:, :1] * 0.5, y[:, 1:]], 1), torch.where), or write "
+            "into the viewed DTensor itself, or run this part under torch.no_grad()",
+        )
 
 
 def inplace_symbol(name: str, torch_fn: Callable) -> ti.Symbol:
@@ -195,16 +234,7 @@ def inplace_symbol(name: str, torch_fn: Callable) -> ti.Symbol:
 
     def inplace(a, *args, **kwargs):
         grad_enabled = ti.grad_enabled_while_tracing()
-        if grad_enabled and isinstance(a, DTensorProxy) and a.requires_grad and _is_a_view(a):
-            raise DTensorOpError(
-                name,
-                (a, *args),
-                kwargs,
-                "an in-place write into a view of a DTensor that requires grad: thunder 0.2.6 loses the write "
-                "under autodiff (its forward drops it; for plain tensors its gradients are wrong)",
-                hint="write out of place (y = torch.cat([y[:, :1] * 0.5, y[:, 1:]], 1), torch.where), or write "
-                "into the viewed DTensor itself, or run this part under torch.no_grad()",
-            )
+        _check_destination(name, a, args, kwargs, grad_enabled)
         source = dtensor_snapshot_prim(a) if snapshot and grad_enabled and isinstance(a, DTensorProxy) else a
         return dtensor_copy__prim(value_prim(source, *args, **kwargs), a, grad_enabled=grad_enabled)
 

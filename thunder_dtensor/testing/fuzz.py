@@ -913,6 +913,12 @@ def program_functions(program: Program) -> tuple[Callable, Callable]:
 # ---------------------------------------------------------------------------------------------------------
 
 
+#: appended to a failure where eager DTensor differs from plain torch too
+_EAGER_WRONG = " (eager DTensor differs from plain torch too)"
+#: appended to a value mismatch where thunder gives exactly eager DTensor's (wrong) values
+_AS_EAGER = "; thunder gives eager DTensor's values"
+
+
 @dataclass
 class Failure:
     """One difference of one thunder run (``mode``) from plain torch or eager DTensor."""
@@ -949,6 +955,30 @@ class ProgramResult:
     seconds: float
     #: for a failing program, how thunder.jit alone (plain full tensors, no DTensor) gets it wrong ("": right)
     plain_thunder: str = ""
+
+    @property
+    def upstream(self) -> str:
+        """Why this failure is not this package's bug ("" if it is), with the evidence the fuzzer gathered:
+
+        * thunder.jit alone fails the plain program too, and thunder_dtensor refuses it with a
+          :class:`DTensorOpError` (a clear error where thunder itself would be wrong);
+        * eager DTensor differs from plain torch too, and thunder gives eager's values (a torch DTensor bug that
+          thunder reproduces faithfully) or refuses the program with a :class:`DTensorOpError`.
+        """
+        if not self.failures:
+            return ""
+        if self.plain_thunder and all(
+            f.kind == "thunder-raises-eager-runs" and f.detail.startswith("DTensorOpError") for f in self.failures
+        ):
+            return "thunder.jit fails the plain program too; thunder_dtensor raises a DTensorOpError"
+        if all(f.kind == "value-mismatch" and f.detail.endswith(_AS_EAGER) for f in self.failures):
+            return "eager DTensor differs from plain torch, and thunder gives eager's values (a torch bug)"
+        if all(
+            f.kind == "thunder-raises-eager-runs" and f.detail.startswith("DTensorOpError") and _EAGER_WRONG in f.detail
+            for f in self.failures
+        ):
+            return "eager DTensor differs from plain torch (a torch bug); thunder_dtensor raises a DTensorOpError"
+        return ""
 
     def signature(self, failure: Failure) -> str:
         """The failure's signature, marked where thunder.jit fails the plain program too (the bug is upstream)."""
@@ -1095,11 +1125,13 @@ def _judge(
     tol = _TOLERANCES[program.dtype]
     failures = []
     eager_wrong = _eager_mismatches(program, eager, expected, expected_grads)
-    also = " (eager DTensor differs from plain torch too)"
+    also = _EAGER_WRONG
     if got.out_full is not None:  # the forward ran (a later error is judged below, after the forward's results)
         mismatch = _close(got.out_full, expected.detach(), tol)
         if mismatch:
             detail = mismatch + (also if "output" in eager_wrong else "")
+            if "output" in eager_wrong and eager.out_full is not None and not _close(got.out_full, eager.out_full, tol):
+                detail += _AS_EAGER
             failures.append(Failure(mode, "value-mismatch", "output", detail))
         if eager.placements is not None and not same_placements(got.placements, eager.placements):
             detail = f"output placements {_fmt(got.placements)} vs eager {_fmt(eager.placements)}"
@@ -1107,7 +1139,9 @@ def _judge(
     if got.error is not None:
         detail = _describe_error(got.error)
         if eager_ran:
-            failures.append(Failure(mode, "thunder-raises-eager-runs", got.phase, detail))
+            failures.append(
+                Failure(mode, "thunder-raises-eager-runs", got.phase, detail + (also if eager_wrong else ""))
+            )
         elif isinstance(got.error, DTensorOpError):
             return ("failed", failures) if failures else ("raised-clearly", [])
         else:
@@ -1260,6 +1294,11 @@ class FuzzSummary:
     def failed(self) -> list[ProgramResult]:
         return [r for r in self.results if r.outcome == "failed"]
 
+    @property
+    def failed_here(self) -> list[ProgramResult]:
+        """The failing programs whose bug is this package's (not upstream: see ``ProgramResult.upstream``)."""
+        return [r for r in self.failed if not r.upstream]
+
     def counts(self) -> Counter:
         counts: Counter = Counter(r.outcome for r in self.results)
         for r in self.results:
@@ -1293,7 +1332,8 @@ class FuzzSummary:
             f"fuzz summary (world size {self.world_size}, {self.seconds:.0f}s){stopped}: ran={len(self.results)} "
             f"passed={c['passed']} eager-rejected={c['eager-rejected']} "
             f"(thunder DTensorOpError={c['eager-rejected/thunder-DTensorOpError']}, "
-            f"thunder ran and matched={c['eager-rejected/thunder-ran-and-matched']}) failed={c['failed']} | "
+            f"thunder ran and matched={c['eager-rejected/thunder-ran-and-matched']}) failed={c['failed']} "
+            f"(upstream={len(self.failed) - len(self.failed_here)}) | "
             f"failing runs by kind: {by_kind}"
         )
 

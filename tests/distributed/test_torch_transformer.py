@@ -79,3 +79,6 @@ def test_torch_test_transformer_trains_like_single_process(compiler: str, sequen
     # steps 2 and 3 reuse the program compiled for step 1
     program = thunder_program(compiled, compiler)
     assert thunder.cache_misses(program) == 1 and thunder.cache_hits(program) == STEPS - 1
+    # nothing stays eager: attention without dropout and every view, forward and backward, are lowered
+    executed = str(thunder.last_traces(program)[-1]) + str(thunder.last_backward_traces(program)[-1])
+    assert "not lowered" not in executed, [line for line in executed.splitlines() if "not lowered" in line]

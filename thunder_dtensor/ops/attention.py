@@ -3,8 +3,11 @@
 Attention is independent per batch element and per head. When q, k and v share their placements and
 shard only batch or head dims (what tensor-parallel attention produces), the fused kernel runs on the
 local shards and the output keeps those placements: no communication, and it works on CPU meshes, where
-eager DTensor has no sharding strategy for the fused CPU kernel. Any other layout is first gathered to
-Replicate (the redistribution is visible in the trace), then attended locally.
+eager DTensor has no registered sharding strategy for the fused CPU kernel (torch 2.13 derives one from the
+kernel's decomposition for some calls, slowly, and has none for its backward). Any other layout is first
+gathered to Replicate (the redistribution is visible in the trace), then attended locally; there eager's
+derived strategy may place the output otherwise (a sequence-sharded q gives a sequence-sharded output),
+with the same values.
 """
 
 from __future__ import annotations

@@ -62,6 +62,15 @@ def main() -> int:
     if args.repro_dir and rank0:
         args.repro_dir.mkdir(parents=True, exist_ok=True)
 
+    def show_reproducer(text: str, file_name: str) -> None:
+        """Write the reproducer into --repro-dir and print it (unless --no-repro)."""
+        if args.repro_dir:
+            path = args.repro_dir / file_name
+            path.write_text(text)
+            print(f"    reproducer: {path}", flush=True)
+        if not args.no_repro:
+            print("    ---- reproducer ----\n" + text + "    ---- end ----", flush=True)
+
     def report(result: ProgramResult) -> None:
         if not rank0:
             return
@@ -74,13 +83,7 @@ def main() -> int:
             print(f"    {failure}", flush=True)
         if result.eager_error:
             print(f"    eager DTensor: {result.eager_error}", flush=True)
-        text = result.reproducer()
-        if args.repro_dir:
-            path = args.repro_dir / f"repro_ws{ws}_seed{result.program.seed}.py"
-            path.write_text(text)
-            print(f"    reproducer: {path}", flush=True)
-        if not args.no_repro:
-            print("    ---- reproducer ----\n" + text + "    ---- end ----", flush=True)
+        show_reproducer(result.reproducer(), f"repro_ws{ws}_seed{result.program.seed}.py")
 
     summary = fuzz(
         seeds,
@@ -92,14 +95,8 @@ def main() -> int:
     )
     if rank0:
         for n, (signature, result) in enumerate(summary.minimized.items()):
-            text = result.reproducer(signature)
             print(f"REDUCED {n}: {signature}\n    {result.program.describe()}", flush=True)
-            if args.repro_dir:
-                path = args.repro_dir / f"repro_ws{ws}_seed{result.program.seed}_reduced{n}.py"
-                path.write_text(text)
-                print(f"    reproducer: {path}", flush=True)
-            if not args.no_repro:
-                print("    ---- reproducer ----\n" + text + "    ---- end ----", flush=True)
+            show_reproducer(result.reproducer(signature), f"repro_ws{ws}_seed{result.program.seed}_reduced{n}.py")
         print("\n".join(summary.report_lines()), flush=True)
     dist.barrier()
     dist.destroy_process_group()

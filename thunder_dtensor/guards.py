@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
@@ -54,18 +55,21 @@ def _check_dtensor_spec_repr_impl(dtensor: Any, spec: Any, local: Any, expected:
         raise RuntimeError(f"DTensor input changed ({diff})")
 
 
-check_dtensor_spec_repr = ti.make_prim(
-    "thunder_dtensor.check_dtensor_spec_repr",
-    "check_dtensor_spec_repr",
-    meta=_check_dtensor_spec_repr_meta,
-    tags=(ti.OpTags.DONT_DCE,),
+def _prologue_check(name: str, meta: Callable, impl: Callable) -> tuple[ti.Symbol, ti.Symbol]:
+    """A check prim (never removed as dead code) and the executor operator that runs it.
+
+    The prologue runs only thunder's python executor plus "always" executors, and keeps a symbol that already
+    names its executor: the prologue therefore records the executor operator directly.
+    """
+    prim = ti.make_prim(f"thunder_dtensor.{name}", name, meta=meta, tags=(ti.OpTags.DONT_DCE,))
+    operator = dtensor_ex.register_operator(name, like=prim, fn=impl)
+    dtensor_ex.register_implementation(prim, operator, checker=_always)
+    return prim, operator
+
+
+check_dtensor_spec_repr, _run_check_dtensor_spec_repr = _prologue_check(
+    "check_dtensor_spec_repr", _check_dtensor_spec_repr_meta, _check_dtensor_spec_repr_impl
 )
-# The prologue runs only thunder's python executor plus "always" executors, and keeps a symbol that already
-# names its executor: the prologue therefore records this executor operator directly.
-_run_check_dtensor_spec_repr = dtensor_ex.register_operator(
-    "check_dtensor_spec_repr", like=check_dtensor_spec_repr, fn=_check_dtensor_spec_repr_impl
-)
-dtensor_ex.register_implementation(check_dtensor_spec_repr, _run_check_dtensor_spec_repr, checker=_always)
 
 
 def add_prologue_spec_checks(prim: Any, prologue_trace: ti.TraceCtx, args: tuple) -> bool:
@@ -115,16 +119,9 @@ def _check_concrete_shape_impl(t: Any, expected: tuple) -> None:
 
 
 #: under cache="symbolic values", a plain tensor input of a DTensor program keeps its traced shape
-check_concrete_shape = ti.make_prim(
-    "thunder_dtensor.check_concrete_shape",
-    "check_concrete_shape",
-    meta=_check_concrete_shape_meta,
-    tags=(ti.OpTags.DONT_DCE,),
+check_concrete_shape, _run_check_concrete_shape = _prologue_check(
+    "check_concrete_shape", _check_concrete_shape_meta, _check_concrete_shape_impl
 )
-_run_check_concrete_shape = dtensor_ex.register_operator(
-    "check_concrete_shape", like=check_concrete_shape, fn=_check_concrete_shape_impl
-)
-dtensor_ex.register_implementation(check_concrete_shape, _run_check_concrete_shape, checker=_always)
 
 
 # --- the backward's cotangents: traced for one spec, they may arrive with another -------------------------

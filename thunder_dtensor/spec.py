@@ -9,7 +9,7 @@ from thunder_dtensor import _integration as ti
 
 import torch
 
-__all__ = ["DTensorMeta", "contiguous_stride"]
+__all__ = ["DTensorMeta", "contiguous_stride", "dense_stride_like"]
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -17,6 +17,21 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * shape[i + 1]
+    return tuple(stride)
+
+
+def dense_stride_like(shape: tuple[int, ...], like: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense strides of ``shape`` with its dims laid out in the order of the strides ``like`` (outermost first).
+
+    The global stride of a DTensor whose local tensor has strides ``like``: DTensor reads a view-or-copy
+    decision off the global stride, so it must describe the same layout as the local tensor's.
+    """
+    order = sorted(range(len(shape)), key=lambda d: (-like[d], d))
+    stride = [0] * len(shape)
+    size = 1
+    for d in reversed(order):
+        stride[d] = size
+        size *= max(shape[d], 1)
     return tuple(stride)
 
 

@@ -154,3 +154,19 @@ def test_in_place_write_into_a_view_dtensor_computes_on_gathered_data_is_refused
     with pytest.raises(DTensorOpError, match="computed on gathered data") as error:
         thunder.jit(fn, dtensor_lowering=lowering)(x)
     assert "placements=" in str(error.value) and "hint:" in str(error.value)
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+def test_attention_output_stride_describes_its_local_layout(lowering):
+    """CPU's fused attention returns a non-contiguous local output; its DTensor's global stride now says so,
+    so a later ``flatten`` copies where it must (was: a contiguous stride, DTensor chose to view, and the view
+    failed: "view size is not compatible with input tensor's size and stride")."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        q = x.transpose(1, 2)  # [batch, seq, heads, dim] -> [batch, heads, seq, dim], not contiguous
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).flatten(2)
+
+    for placements in ([Shard(2)], [Shard(0)], [Replicate()], [Shard(1)]):
+        case = DTensorCase(fn, [make_full((4, 8, 4, 4), seed=14)], [placements], mesh=mesh_1d())
+        run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})

@@ -19,7 +19,7 @@ from thunder_dtensor.dispatch import register_function_for_dtensor
 from thunder_dtensor.ops.redistribute import dtensor_redistribute
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
-from thunder_dtensor.spec import contiguous_stride
+from thunder_dtensor.spec import contiguous_stride, dense_stride_like
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,8 @@ def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
     # q, k and v broadcast over their batch dims (a 3-D q against 4-D k and v, say)
     batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     shape = batch + (q.shape[-2], v.shape[-1])
-    stride = contiguous_stride(shape)
+    # the global stride describes the kernel's local layout (the CPU fused kernel's output is not contiguous)
+    stride = contiguous_stride(shape) if out.is_contiguous() else dense_stride_like(shape, tuple(out.stride()))
     return ti.DTensor.from_local(out, spec.mesh, spec.placements, run_check=False, shape=shape, stride=stride)
 
 

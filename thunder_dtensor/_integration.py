@@ -721,7 +721,7 @@ _DTENSOR_PROGRAM_FLAG = "_thunder_dtensor_traced_dtensor_ops"
 def note_dtensor_op_traced() -> None:
     """Record on the jitted function's compile data that its program has DTensor ops (see ``traced_dtensor_ops``)."""
     cd = get_compile_data()
-    if cd is not None and not getattr(cd, _DTENSOR_PROGRAM_FLAG, False):
+    if cd is not None:
         setattr(cd, _DTENSOR_PROGRAM_FLAG, True)
 
 
@@ -935,10 +935,20 @@ def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
     missing = {op: rule for op, rule in rules.items() if op not in propagator.op_strategy_funcs}
     if not missing:
         return
+    consulted = [False]  # a rule was asked during the current call: its decisions are in DTensor's cache
+
+    def noting_use(strategy: Callable) -> Callable:
+        def strategy_noting_use(*args: Any, **kwargs: Any) -> Any:
+            consulted[0] = True
+            return strategy(*args, **kwargs)
+
+        return strategy_noting_use
+
     scoped: dict[Any, tuple] = {}
     for op, rule in missing.items():
         register_sharding(op)(rule)
-        scoped[op] = (propagator.op_strategy_funcs.pop(op), propagator.op_to_schema_info.pop(op, None))
+        strategy = propagator.op_strategy_funcs.pop(op)
+        scoped[op] = (noting_use(strategy), propagator.op_to_schema_info.pop(op, None))
     thunderfx_call = ThunderFXCompiledObject.__call__
     check(
         getattr(thunderfx_call, "__name__", "") == "__call__",
@@ -952,14 +962,15 @@ def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
             propagator.op_strategy_funcs[op] = strategy
             if schema_info is not None:
                 propagator.op_to_schema_info[op] = schema_info
+        consulted[0] = False
         try:
             return thunderfx_call(self, *args, **kwargs)
         finally:
             for op in added:
                 propagator.op_strategy_funcs.pop(op, None)
                 propagator.op_to_schema_info.pop(op, None)
-            if added:
-                clear_sharding_propagation_cache()  # no decision made with the rule outlives the call
+            if consulted[0]:  # (dynamo traced the attention) no decision made with a rule outlives the call
+                clear_sharding_propagation_cache()
 
     call_with_sharding_rules.__name__ = "call_with_sharding_rules"
     ThunderFXCompiledObject.__call__ = call_with_sharding_rules

@@ -226,6 +226,8 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
         for o, n in zip(old_outs, new_outs):
             if isinstance(o, ti.Proxy) and isinstance(n, ti.Proxy):
                 swap[ti.variableify(o)] = n
+    if not swap:  # every spec was right (every program without a DTensor backward): the trace as it was
+        return joint_trace
     new_trace.bound_symbols = bsyms
     return new_trace
 

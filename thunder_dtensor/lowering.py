@@ -34,6 +34,7 @@ from thunder_dtensor.primitive import (
     GENERIC_VJP_NAMES,
     GRADIENT_SOURCES,
     NOT_LOWERED,
+    RENAMING_PRIMS,
     REWRITTEN_PRIMS,
     RUNTIME_FNS,
     dtensor_rewritten_prim,
@@ -411,6 +412,9 @@ class _Lowering:
         self.materialized: set[str] = set()  # DTensor proxies that exist as runtime DTensors
         flat_inputs = ti.tree_flatten((trace.args, trace.kwargs))[0]
         self.guarded = {x.name for x in flat_inputs if isinstance(x, DTensorProxy)}  # local strides known
+        # DTensor proxy name -> the local layout of the value it renames (update_aliases outputs): read as it is,
+        # for a copy would cut a view off the memory an in-place write must reach
+        self.renamed: dict[str, _Input] = {}
         self.pending_backward: dict[int, Callable[[], None]] = {}  # vjp bsym index -> its emission
         self.lowered = 0
         self.kept: dict[str, str] = {}  # prim name -> why it was not lowered
@@ -424,6 +428,8 @@ class _Lowering:
         if x.name in self.local:
             spec = self.layout.get(x.name) or self.spec_of(x)
             return dataclasses.replace(self.fake[self.local[x.name].name], spec=spec)
+        if x.name in self.renamed:
+            return self.renamed[x.name]
         return _dtensor_info(x, self.spec_of(x), x.meta.local_stride if x.name in self.guarded else None)
 
     def local_of(self, x: DTensorProxy) -> ti.TensorProxy:
@@ -434,7 +440,7 @@ class _Lowering:
         with ti.tracectx(self.trace):
             out = ti.TensorProxy(shape=info.shape, dtype=x.dtype, device=x.device, requires_grad=False)
         # unknown strides (autograd's cotangents, eager results) are made contiguous; the spec is checked
-        contiguous = x.name not in self.guarded
+        contiguous = x.name not in self.guarded and x.name not in self.renamed
         self.bsyms.append(unwrap_dtensor.bind(x, info.spec, contiguous, placements=_readable(info.spec), output=out))
         self.fake[out.name] = dataclasses.replace(info, spec=None)
         self.local[x.name] = out
@@ -469,6 +475,11 @@ class _Lowering:
         for o in bsym.flat_proxy_outs:
             if isinstance(o, DTensorProxy):
                 self.materialized.add(o.name)
+        if bsym.sym.name in RENAMING_PRIMS:
+            for before, after in zip(bsym.flat_proxy_args, bsym.flat_proxy_outs):
+                known = before.name in self.local or before.name in self.guarded or before.name in self.renamed
+                if isinstance(before, DTensorProxy) and isinstance(after, DTensorProxy) and known:
+                    self.renamed[after.name] = self.local_info(before)
         # a generic vjp was traced for its output's cotangent spec, which the gradient it gets may not have
         overridden = any(isinstance(a, DTensorProxy) and a.name in self.spec for a in bsym.flat_proxy_args)
         if overridden or bsym.sym.name in GENERIC_VJP_NAMES:
@@ -497,10 +508,10 @@ class _Lowering:
 
     def snapshot(self) -> tuple:
         state = (dict(self.local), dict(self.fake), dict(self.spec), dict(self.layout), set(self.materialized))
-        return len(self.bsyms), *state
+        return len(self.bsyms), *state, dict(self.renamed)
 
     def restore(self, saved: tuple) -> None:
-        n, self.local, self.fake, self.spec, self.layout, self.materialized = saved
+        n, self.local, self.fake, self.spec, self.layout, self.materialized, self.renamed = saved
         del self.bsyms[n:]
 
     # --- lowering one prim ----------------------------------------------------------------------------------

@@ -35,6 +35,10 @@ DTENSOR_PRIMS: dict[str, ti.Symbol] = {}
 #: prim name -> the torch operation it runs on DTensors (what the lowering traces with DTensor's dispatch)
 RUNTIME_FNS: dict[str, Callable] = {}
 
+#: prims that return their DTensor arguments themselves under new names (the alias pass's renames): the lowering
+#: reads each output with its argument's local layout
+RENAMING_PRIMS: set[str] = set()
+
 #: prim name -> why it is never lowered (it exists to run eager DTensor code, or nothing, at run time)
 NOT_LOWERED: dict[str, str] = {}
 
@@ -237,6 +241,44 @@ def _only_fake_tensors(out: Any) -> bool:
     return all(ti.is_fake(x) for x in leaves if isinstance(x, torch.Tensor))
 
 
+#: prims that run a plain torch op on DTensors: their output shapes are checked against the op's on plain tensors
+SHAPE_CHECKED_PRIMS: set[str] = set()
+
+
+class WrongShapeError(DTensorOpError):
+    """DTensor's rules accept the op but give it a global shape torch does not (eager returns that shape too)."""
+
+
+def _shapes_unlike_torch(torch_fn: Callable, args: tuple, kwargs: dict, out: Any) -> str:
+    """How the DTensor outputs' global shapes differ from the op's outputs on plain tensors ("" if they do not).
+
+    A torch DTensor bug found by the fuzzer: ``F.linear`` / ``matmul`` of a 1-D input with a Partial result is a
+    DTensor of global shape ``[1, N]`` (its decomposition squeezes in place). No answer if the plain op fails.
+    """
+    try:
+        with ti.fake_tensor_mode(), torch.no_grad():
+            plain_args, plain_kwargs = ti.tree_map(_plain_stand_in, (args, kwargs))
+            plain = torch_fn(*plain_args, **plain_kwargs)
+    except Exception:
+        return ""
+    got = [tuple(t.shape) for t in ti.torch_tree_flatten(out)[0] if isinstance(t, ti.DTensor)]
+    want = [tuple(t.shape) for t in ti.torch_tree_flatten(plain)[0] if isinstance(t, torch.Tensor)]
+    if len(got) != len(want) or got == want:
+        return ""
+    return f"output shapes {got}, where torch gives {want} on plain tensors of the global shapes"
+
+
+def _caused_by(error: BaseException, kind: type | tuple) -> bool:
+    """Whether ``error`` or an exception it was raised from is a ``kind``."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
     def rejected(e: Exception) -> DTensorOpError:
         # DTensor's own rejection, reported with our context and a hint that fits its cause
@@ -245,12 +287,19 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
 
     # as at run time, where a prim that is not lowered runs under no_grad on inputs that may require grad
     try:
-        with ti.fake_tensor_mode(), torch.no_grad():
-            fake_args, fake_kwargs = ti.tree_map(_runtime_like_stand_in, (args, kwargs))
-            out = torch_fn(*fake_args, **fake_kwargs)
+        try:
+            with ti.fake_tensor_mode(), torch.no_grad():
+                fake_args, fake_kwargs = ti.tree_map(_runtime_like_stand_in, (args, kwargs))
+                out = torch_fn(*fake_args, **fake_kwargs)
+        except Exception as e:
+            # DTensor's propagation re-raises what it hit as a RuntimeError: the cause decides
+            if _caused_by(e, ti.DataDependentOutputException):
+                raise ti.DataDependentOutputException(str(e)) from e
+            raise
     except ti.DataDependentOutputException:
-        # A few sharding rules read data (vocab-sharded embedding masks ids): run those on real zeros.
-        # Every rank traces the same program, so any collective this runs is matched on all ranks.
+        # A few sharding rules read data (vocab-sharded embedding masks ids, a _StridedShard scalar operand):
+        # run those on real zeros. Every rank traces the same program, so any collective this runs is matched
+        # on all ranks.
         try:
             with torch.no_grad():
                 zero_args, zero_kwargs = ti.tree_map(lambda x: _runtime_like_stand_in(x, torch.zeros), (args, kwargs))
@@ -261,6 +310,15 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
         raise rejected(e) from e
     if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
         out = tuple(out)
+    wrong = _shapes_unlike_torch(torch_fn, args, kwargs, out) if op_name in SHAPE_CHECKED_PRIMS else ""
+    if wrong:
+        raise WrongShapeError(
+            op_name,
+            args,
+            kwargs,
+            f"DTensor's sharding rules give {wrong} (a torch DTensor bug; eager DTensor returns the wrong shape)",
+            hint="redistribute the inputs to Replicate first, or give a 1-D input a batch dim (x.unsqueeze(0))",
+        )
     return out
 
 

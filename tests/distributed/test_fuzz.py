@@ -18,12 +18,7 @@ SEEDS = {2: range(0, 70), 4: range(0, 50)}
 
 #: open bugs this budget finds, by (world size, seed) -> a piece of the failure's text. Strict: each must still
 #: fail this way (a fix removes its entry). Listed with their reproducers in docs/architecture.md, "Fuzzing".
-KNOWN_OPEN = {
-    # a Partial x Shard 2-D value divided by a scalar: the div prim's fake run reads a tensor's value
-    (4, 27): "aten._local_scalar_dense",
-    # an in-place write into a view that requires grad is refused; plain thunder.jit runs this one right
-    (4, 32): "an in-place write into a view of a DTensor that requires grad",
-}
+KNOWN_OPEN: dict[tuple[int, int], str] = {}
 
 
 @pytest.mark.world_size(2, 4)

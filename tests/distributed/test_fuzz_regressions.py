@@ -6,8 +6,11 @@ plain torch on full tensors and placements (outputs and gradients) against eager
 
 from __future__ import annotations
 
+import warnings
+
 from thunder_dtensor.errors import DTensorOpError
-from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, run_case
+from thunder_dtensor.ops.no_rule import ReplicatedFallbackWarning
+from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, mesh_2d, run_case
 
 import pytest
 import thunder
@@ -86,6 +89,47 @@ def test_in_place_write_into_a_view(lowering):
         with pytest.raises(DTensorOpError, match="in-place write into a view") as error:
             thunder.jit(fn, dtensor_lowering=lowering)(x)
         assert "placements=" in str(error.value) and "hint:" in str(error.value)
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+def test_in_place_write_into_a_view_of_a_view(lowering):
+    """A write into a view of a view reaches the viewed DTensor (was: lost with the lowering on: the value the
+    alias pass renamed was made contiguous where it entered lowered code, a copy cut off from the memory)."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = (x * 2).clone()
+        y[:, 1:].t()[1:].mul_(0.5)
+        y[1:][:, ::2].add_(1.5)
+        return y * 3
+
+    for placements in ([Replicate()], [Shard(0)], [Shard(1)]):
+        case = DTensorCase(fn, [make_full((6, 7), seed=19)], [placements], requires_grad=[False], mesh=mesh_1d())
+        try:
+            run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+        except DTensorOpError as error:  # a view DTensor computes on gathered data is a copy: refused
+            assert placements != [Replicate()] and "computed on gathered data" in str(error)
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+@pytest.mark.parametrize("op", ["add_", "sub_"])
+def test_in_place_add_into_a_view_that_requires_grad(op, lowering):
+    """``add_`` / ``sub_`` pass the gradient to their destination unchanged, and thunder's autodiff gets their
+    writes into views right: they run, with plain torch's values and gradients (was: refused like ``mul_``; the
+    fuzzer's seed 32 at 4 ranks: ``y = (x * o).clone(); y[:1].mul_(0.5)``, narrowed here to the ops that work)."""
+
+    def fn(x: torch.Tensor, other: torch.Tensor, sliced_dim: int) -> torch.Tensor:
+        y = (x * other).clone()
+        getattr(y.narrow(sliced_dim, 0, 1), op)(0.5)
+        getattr(y.narrow(sliced_dim, 1, 3).t(), op)(1.5)
+        return y * 2
+
+    inputs = [make_full((4, 6), seed=17), make_full((4, 6), seed=18)]
+    # slices of an unsharded dim (a slice of a sharded one is gathered, a copy: refused, see above)
+    for placements, sliced_dim in (([Replicate()], 0), ([Replicate()], 1), ([Shard(1)], 0), ([Shard(0)], 1)):
+        case = DTensorCase(fn, inputs, [placements, [Replicate()]], kwargs={"sliced_dim": sliced_dim}, mesh=mesh_1d())
+        run_case(case, jit_kwargs={"dtensor_lowering": lowering})
 
 
 @pytest.mark.world_size(2)
@@ -170,3 +214,49 @@ def test_attention_output_stride_describes_its_local_layout(lowering):
     for placements in ([Shard(2)], [Shard(0)], [Replicate()], [Shard(1)]):
         case = DTensorCase(fn, [make_full((4, 8, 4, 4), seed=14)], [placements], mesh=mesh_1d())
         run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+def test_one_dim_input_with_a_partial_result_keeps_torch_shape(op, lowering):
+    """``F.linear`` / ``@`` of a 1-D DTensor whose result is Partial: torch 2.13's DTensor gives the output the
+    global shape ``[1, N]`` (its local is ``[N]``; the backward then fails). The fuzzer found it (seeds 85 and
+    281); thunder_dtensor checks a fallback op's shapes against torch's and runs such a call replicated: the
+    output has torch's shape ``[N]``, right values and gradients (was: eager's ``[1, N]``)."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w) if op == "linear" else x @ w.mT
+
+    full_x, full_w = make_full((6,), seed=15).requires_grad_(), make_full((4, 6), seed=16).requires_grad_()
+    expected = fn(full_x, full_w)
+    expected.backward(torch.ones_like(expected))
+    mesh = mesh_1d()
+    x = distribute_tensor(full_x.detach(), mesh, [Shard(0)]).requires_grad_()
+    w = distribute_tensor(full_w.detach(), mesh, [Shard(1)]).requires_grad_()
+    jitted = thunder.jit(fn, dtensor_lowering=lowering)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        out = jitted(x, w)
+    assert "_replicated_prim" in str(thunder.last_traces(jitted)[0])
+    assert tuple(out.shape) == tuple(expected.shape) == (4,)
+    torch.testing.assert_close(out.full_tensor(), expected.detach())
+    out.backward(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    torch.testing.assert_close(x.grad.full_tensor(), full_x.grad)
+    torch.testing.assert_close(w.grad.full_tensor(), full_w.grad)
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_scalar_division_of_a_strided_shard_value(lowering):
+    """``cat > view > / 3.0`` on a 2x2 mesh: the view's output is ``_StridedShard`` and DTensor's rule for the
+    division reads the scalar operand's value, so the fake run is data-dependent; DTensor re-raised that as a
+    ``RuntimeError``, which the prim's meta did not recognise (was: ``DTensorOpError: ... aten._local_scalar_dense``;
+    the fuzzer's seed 27 at 4 ranks). The meta now runs such a rule on zeros, as for other data-dependent rules."""
+
+    def fn(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return (torch.cat([other, x], dim=0).view(3, 48) / 3.0).sum(dim=-2)
+
+    inputs = [make_full((2, 6, 8), seed=20), make_full((1, 6, 8), seed=21)]
+    case = DTensorCase(fn, inputs, [[Replicate(), Replicate()], [Shard(1), Shard(2)]], mesh=mesh_2d(2))
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})

@@ -97,6 +97,21 @@ def _shards_only_batch_or_heads(t: DTensorProxy) -> bool:
     return all(isinstance(p, ti.Replicate) or (isinstance(p, ti.Shard) and p.dim < t.ndim - 2) for p in t.placements)
 
 
+def attends_on_local_shards(q: Any, k: Any, v: Any) -> bool:
+    """Whether q, k and v (DTensors or their proxies) share placements that shard only batch or head dims.
+
+    There (the layout tensor-parallel attention has) the output keeps those placements, as in eager; any other
+    layout is gathered first, and eager's derived placements may differ (see the module docstring).
+    """
+    tensors = (q, k, v)
+    return (
+        all(isinstance(t, (DTensorProxy, ti.DTensor)) for t in tensors)
+        and q.placements == k.placements == v.placements
+        and q.ndim == k.ndim == v.ndim
+        and _shards_only_batch_or_heads(q)
+    )
+
+
 def _mask_is_local(mask: Any, q: DTensorProxy) -> bool:
     if mask is None:
         return True
@@ -117,14 +132,7 @@ def dtensor_scaled_dot_product_attention(
         # replicated k / v next to a batch- or head-sharded q: take their matching slice (no communication),
         # as eager DTensor does, and attend on the local shards
         k, v = (_slice_like(t, q) for t in (k, v))
-    local = (
-        dtensors
-        and q.placements == k.placements == v.placements
-        and q.ndim == k.ndim == v.ndim
-        and _shards_only_batch_or_heads(q)
-        and _mask_is_local(attn_mask, q)
-    )
-    if local:
+    if attends_on_local_shards(q, k, v) and _mask_is_local(attn_mask, q):
         return dtensor_local_sdpa_prim(
             q,
             k,

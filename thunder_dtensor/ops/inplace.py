@@ -41,6 +41,7 @@ from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand
 from thunder_dtensor.primitive import (
     DTENSOR_PRIMS,
     NOT_LOWERED,
+    RENAMING_PRIMS,
     define_dtensor_prim,
     define_vjp,
     propagate_on_fake_dtensors,
@@ -120,6 +121,9 @@ dtensor_update_aliases_prim = define_dtensor_prim(
 )
 
 
+RENAMING_PRIMS.add(dtensor_update_aliases_prim.name)
+
+
 def _update_aliases_grad(aliases: tuple) -> tuple:
     # the same values under new names: gradients pass through unchanged
     updated = dtensor_update_aliases_prim(aliases)
@@ -197,28 +201,52 @@ def _gathered_by(view: ti.BoundSymbol, a: DTensorProxy) -> bool:
     )
 
 
+def _gathering_view(view: ti.BoundSymbol, a: DTensorProxy) -> ti.BoundSymbol | None:
+    """The view op in the chain of views that made ``a`` (``y[1:][:, ::2]``) that DTensor ran on gathered data."""
+    while view is not None:
+        if _gathered_by(view, a):
+            return view
+        a = next((x for x in view.flat_proxy_args if isinstance(x, DTensorProxy)), None)
+        view = _view_made_by(a) if a is not None else None
+    return None
+
+
+def _thunder_differentiates_correctly(name: str, args: tuple) -> bool:
+    """Whether thunder 0.2.6's autodiff gets this in-place write into a view right (measured on plain tensors).
+
+    Right: ``add_`` / ``sub_`` of numbers or of tensors that need no gradient (the gradient passes to the
+    destination unchanged). Wrong: every other op (``y[:1].mul_(0.5)``: wrong gradients) and a gradient to the
+    added tensor (``y[:, 1:].add_(other[:, :1])``: wrong gradient for ``other``).
+    """
+    if name not in ("add_", "sub_"):
+        return False
+    return not any(isinstance(t, ti.TensorProxy) and t.requires_grad for t in ti.tree_flatten(args)[0])
+
+
 def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enabled: bool) -> None:
     """Refuse, at trace time, the in-place writes into views whose result would be silently wrong."""
     view = _view_made_by(a) if isinstance(a, DTensorProxy) else None
     if view is None:
         return
-    if _gathered_by(view, a):
+    gathered = _gathering_view(view, a)
+    if gathered is not None:
         raise DTensorOpError(
             name,
             (a, *args),
             kwargs,
-            f"an in-place write into a view ({view.sym.name}) that DTensor computed on gathered data: the view is "
+            f"an in-place write into a view ({gathered.sym.name}) that DTensor computed on gathered data: the view is "
             "a copy, so the write would not reach the viewed DTensor (eager DTensor loses it silently)",
             hint="write out of place (torch.cat / torch.where), or redistribute the viewed DTensor to Replicate "
             "before taking the view",
         )
-    if grad_enabled and a.requires_grad:
+    if grad_enabled and a.requires_grad and not _thunder_differentiates_correctly(name, args):
         raise DTensorOpError(
             name,
             (a, *args),
             kwargs,
-            "an in-place write into a view of a DTensor that requires grad: thunder 0.2.6 loses the write "
-            "under autodiff (its forward drops it; for plain tensors its gradients are wrong)",
+            "an in-place write into a view of a DTensor that requires grad: thunder 0.2.6's autodiff gets it "
+            "wrong (for plain tensors its gradients are wrong; add_ / sub_ of values that need no gradient are "
+            "right, and allowed)",
             hint="write out of place (y = torch.cat([y[:, :1] * 0.5, y[:, 1:]], 1), torch.where), or write "
             "into the viewed DTensor itself, or run this part under torch.no_grad()",
         )

@@ -33,6 +33,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError, first_line
 from thunder_dtensor.primitive import (
     REWRITTEN_PRIMS,
+    WrongShapeError,
     define_dtensor_prim,
     propagated_fakes,
     to_torch_value,
@@ -246,6 +247,9 @@ def call_or_rewrite(
             if error.structural:  # plain tensors among DTensors, several meshes: the user's to fix
                 raise
             original = error
+            if isinstance(error, WrongShapeError):  # DTensor's rules accept the op and get it wrong
+                distrust = "DTensor's sharding rules give it a wrong output shape (a torch DTensor bug)"
+                reasons.append("not decomposed: the decomposed op would run under the same rules")
     if kwargs.get("out") is not None:
         reasons.append("not rewritten: an out= argument, which a rewritten op would not write into")
         raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection

@@ -62,6 +62,7 @@ import contextlib
 import dataclasses
 import functools
 import operator
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -78,6 +79,16 @@ if not (TORCH_TESTED_RANGE[0] <= TORCH_VERSION < TORCH_TESTED_RANGE[1]):
         f"thunder_dtensor supports torch 2.13.x, found {torch.__version__}: the private torch names it uses "
         "(thunder_dtensor/_integration.py) are checked for that release only; update that file for this one"
     )
+
+#: the patches to thunder that are not about DTensors, by kind, and the environment variable that turns a kind
+#: off ("0"); docs/architecture.md, "Thunder fixes that are not about DTensors", lists each with its reproducer
+PATCH_SWITCHES = {"thunder-fix": "THUNDER_DTENSOR_THUNDER_FIXES", "speedup": "THUNDER_DTENSOR_SPEEDUPS"}
+
+
+def patch_kind_enabled(kind: str) -> bool:
+    """Whether the patches of ``kind`` ("thunder-fix", "speedup") are installed in this process."""
+    return os.environ.get(PATCH_SWITCHES[kind], "1") != "0"
+
 
 #: Whether torch was built with ``torch.distributed``; the package imports without it.
 DISTRIBUTED_AVAILABLE: bool = torch.distributed.is_available()
@@ -1297,6 +1308,8 @@ _COMPLEX_DERIVATIVES = {
 
 def fix_complex_gradients() -> None:
     """Give thunder's autodiff torch's complex convention (see this section's header). Idempotent."""
+    if not patch_kind_enabled("thunder-fix"):
+        return
     if not THUNDER_COMPLEX_GRADS_UNCONJUGATED:
         return
     import thunder.core.transforms as transforms
@@ -1360,6 +1373,8 @@ def install_sdpa_kernel_support(*, context: type, set_backends: Callable, check_
     * ``F.scaled_dot_product_attention`` first runs ``check_sdpa_call`` on its arguments, then what it ran
       before (thunder's symbol or the DTensor dispatcher): install this after the op registrations.
     """
+    if not patch_kind_enabled("thunder-fix"):
+        return
     import torch.nn.attention as attention
     import torch.nn.functional as F
     from thunder.core import interpreter, jit_ext
@@ -1618,6 +1633,8 @@ def scope_ambient_autocast_to_each_call() -> None:
     function's ``get_computation_and_inputs`` when ``thunder.jit`` builds it, reaches the compile data through
     that function's ``weakref_cd`` closure cell.
     """
+    if not patch_kind_enabled("thunder-fix"):
+        return
     if getattr(thunder._with_cache_info_ctx, "_thunder_dtensor_scoped", False):
         return
     if not (LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")):
@@ -1922,6 +1939,8 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
     through the interpreter, from the module's hook dicts by hook id, so the prologue still checks what they read
     (e.g. a tensor-parallel hook's ``use_local_output``). Other cases interpret a copy of torch's function.
     """
+    if not patch_kind_enabled("speedup"):
+        return
     from thunder.core import interpreter, jit_ext
 
     lookasides = jit_ext._general_jit_lookaside_map
@@ -2064,6 +2083,8 @@ def call_partials_outside_the_interpreter() -> None:
     the interpreter (so the prologue checks the bound arguments as before) and makes the call directly; a
     partial with keywords goes the old way.
     """
+    if not patch_kind_enabled("speedup"):
+        return
     import functools
 
     from thunder.core import interpreter
@@ -2137,6 +2158,8 @@ def bind_symbols_with_cached_signatures() -> None:
     """thunder's ``Symbol.bind`` reads its meta's ``inspect.signature`` anew for every bound symbol (about
     10,000 times in a 4-block Llama's first call); a meta's signature does not change, so thunder's symbol
     module sees an ``inspect`` whose ``signature`` is computed once per (hashable) callable."""
+    if not patch_kind_enabled("speedup"):
+        return
     import inspect
 
     from thunder.core import symbol
@@ -2174,6 +2197,8 @@ def run_interpreter_helpers_directly() -> None:
     and a recorded interpreter history take thunder's path. Each code object is also disassembled once
     (:func:`_dis_disassembling_once_per_code`).
     """
+    if not patch_kind_enabled("speedup"):
+        return
     import inspect
 
     from thunder.core import interpreter

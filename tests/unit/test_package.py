@@ -1,5 +1,6 @@
 """Package-level guarantees: import order, stable prim names, declared versions."""
 
+import os
 import re
 import subprocess
 import sys
@@ -16,16 +17,57 @@ import torch
 _JIT_A_PROGRAM = "import torch; f = thunder.jit(lambda x: x * 2); assert f(torch.ones(2)).tolist() == [2.0, 2.0]"
 
 
-@pytest.mark.parametrize(
-    "imports",
-    ["import thunder", "import torch; import thunder", "import thunder; import thunder_dtensor"],
-)
-def test_thunder_may_be_imported_before_thunder_dtensor(imports):
-    """On torch >= 2.13 plain thunder 0.2.6 fails to import; with this package installed, any order works."""
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
+
+
+def test_thunder_dtensor_first_then_thunder_works():
+    result = _python(f"import thunder_dtensor; import thunder; {_JIT_A_PROGRAM}")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("imports", ["import thunder", "import torch; import thunder"])
+def test_thunder_first_names_the_fix_unless_opted_in(imports):
+    """Installing the package changes nothing for a process that does not import it: on torch >= 2.13 plain
+    thunder 0.2.6 still fails to import, now with a message naming the fix; ``THUNDER_DTENSOR_AUTOLOAD=1``
+    makes any order work (then ``import thunder`` imports this package)."""
+    plain = _python(f"{imports}; {_JIT_A_PROGRAM}")
+    if torch.__version__ >= "2.13":
+        assert plain.returncode != 0
+        assert "import thunder_dtensor before thunder" in plain.stderr and "THUNDER_DTENSOR_AUTOLOAD=1" in plain.stderr
+    else:
+        assert plain.returncode == 0, plain.stderr[-3000:]
     code = f"{imports}; {_JIT_A_PROGRAM}; import thunder_dtensor, torch; "
     code += "assert not hasattr(torch.Tensor, 'align_as') or torch.__version__ < '2.13'"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    opted_in = _python(code, THUNDER_DTENSOR_AUTOLOAD="1")
+    assert opted_in.returncode == 0, opted_in.stderr[-3000:]
+
+
+def test_torch_alone_is_untouched_by_the_installed_package():
+    """``import torch`` runs the package's torch plugin hook: it imports nothing and adds nothing to torch (its
+    import finder acts only on an ``import thunder``, see ``test_thunder_first_names_the_fix_unless_opted_in``)."""
+    code = (
+        "import sys, torch\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('thunder', 'thunder_dtensor')]\n"
+        "assert not any(n in vars(torch.Tensor) for n in ('align_as', 'align_to', 'rename'))\n"
+    )
+    for env in ({}, {"THUNDER_DTENSOR_AUTOLOAD": "1"}):
+        result = _python(code, **env)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_torch_plugin_hook_never_raises(monkeypatch):
+    """A failure in the hook would make ``import torch`` itself fail, in every process of the environment."""
+    import thunder_dtensor_autoload
+
+    class Broken:
+        def __getattr__(self, name: str):
+            raise RuntimeError("broken")
+
+    monkeypatch.setitem(sys.modules, "torch", Broken())
+    thunder_dtensor_autoload.install()  # returns, whatever it meets
 
 
 def test_fallback_prim_names_derive_from_the_torch_callable():

@@ -6,6 +6,7 @@ import sys
 import thunder_dtensor  # noqa: F401  (first: makes thunder importable on torch >= 2.13)
 from thunder_dtensor import _integration
 
+import pytest
 import thunder
 import torch
 from thunder.core.symbol import Symbol
@@ -129,3 +130,60 @@ def test_why_thunder_needs_the_named_tensor_shims():
         assert "align_as" in result.stderr, result.stderr[-2000:]
     else:
         assert all(hasattr(torch.Tensor, name) for name in ("align_as", "align_to", "rename"))
+
+
+_PLAIN_PROGRAM = """
+import functools, json, sys
+import thunder_dtensor, thunder, torch
+import thunder.core.symbol, thunder.core.transforms, thunder.core.prims
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+model.register_forward_pre_hook(functools.partial(lambda scale, mod, args: (args[0] * scale,), 0.5))
+model[2].register_forward_hook(lambda mod, args, out: out + 1)
+
+def fn(x, pair):
+    a, b = pair
+    y = model(x[:, :8] + a)
+    return y.softmax(-1) * b["w"]
+
+jfn = thunder.jit(fn)
+x = torch.randn(3, 10, requires_grad=True)
+out = jfn(x, (torch.ones(8), {"w": torch.full((4,), 2.0)}))
+out.sum().backward()
+print(json.dumps({
+    "out": out.tolist(),
+    "grads": [x.grad.tolist()] + [p.grad.tolist() for p in model.parameters()],
+    "trace": str(thunder.last_traces(jfn)[-1]).split("\\n", 1)[1],
+    # one patch of each kind, as installed or not
+    "speedup": thunder.core.symbol.inspect is not __import__("inspect"),
+    "thunder-fix": "complex" in thunder.core.transforms._grad_fn_map[thunder.core.prims.PrimIDs.LINEAR].__qualname__,
+}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["THUNDER_DTENSOR_SPEEDUPS", "THUNDER_DTENSOR_THUNDER_FIXES"])
+def test_patches_that_are_not_about_dtensors_can_be_switched_off_and_keep_plain_values(kind):
+    """The speed-ups and thunder fixes the package installs (docs/architecture.md lists them) are switched off
+    by ``<kind>=0``; a plain program with module hooks, a partial, indexing and unpacking gives the same values,
+    gradients and (speed-ups) the same final trace with them on and off."""
+    import json
+    import os
+
+    runs = []
+    for value in ("1", "0"):
+        result = subprocess.run(
+            [sys.executable, "-c", _PLAIN_PROGRAM],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, kind: value},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    on, off = runs
+    patch = "speedup" if kind == "THUNDER_DTENSOR_SPEEDUPS" else "thunder-fix"
+    assert on[patch] and not off[patch]
+    assert on["out"] == off["out"] and on["grads"] == off["grads"]
+    if kind == "THUNDER_DTENSOR_SPEEDUPS":
+        assert on["trace"] == off["trace"]

@@ -148,10 +148,18 @@ def _plain_copy(sample_args: Any) -> Any:
     )
 
 
+class _WrongGlobalShape:
+    """A DTensor whose global shape is not its full tensor's (torch 2.13: ``F.linear`` of a 1-D input with a
+    Partial result is ``[1, N]`` around ``[N]`` locals): equal to nothing, so the sample fails."""
+
+
 def _full(x: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
-    return x.full_tensor() if isinstance(x, DTensor) else x
+    if not isinstance(x, DTensor):
+        return x
+    full = x.full_tensor()
+    return full if tuple(full.shape) == tuple(x.shape) else _WrongGlobalShape()
 
 
 def _close(actual: Any, expected: Any) -> bool:
@@ -507,7 +515,8 @@ def to_markdown(results: list[OpResult], world_size: int, *, max_samples: int | 
         "",
         f"torch's OpInfo samples (float32, {which}) as DTensors on a {world_size}-rank CPU mesh "
         "(the first tensor sharded on a dim the mesh divides, the others replicated), run with eager DTensor "
-        "and with thunder_dtensor. A sample passes when it runs and matches plain torch on the full tensors, "
+        "and with thunder_dtensor. A sample passes when it runs and matches plain torch on the full tensors "
+        "(a DTensor's global shape included), "
         "forward and, for ops with autograd, the input gradients. Samples plain torch fails are not counted. "
         "Samples that draw random numbers (dropout "
         f"in training, SDPA with `dropout_p > 0`; {s['random_samples']} samples) run under one seed and are "

@@ -211,18 +211,6 @@ def _gathering_view(view: ti.BoundSymbol, a: DTensorProxy) -> ti.BoundSymbol | N
     return None
 
 
-def _thunder_differentiates_correctly(name: str, args: tuple) -> bool:
-    """Whether thunder 0.2.6's autodiff gets this in-place write into a view right (measured on plain tensors).
-
-    Right: ``add_`` / ``sub_`` of numbers or of tensors that need no gradient (the gradient passes to the
-    destination unchanged). Wrong: every other op (``y[:1].mul_(0.5)``: wrong gradients) and a gradient to the
-    added tensor (``y[:, 1:].add_(other[:, :1])``: wrong gradient for ``other``).
-    """
-    if name not in ("add_", "sub_"):
-        return False
-    return not any(isinstance(t, ti.TensorProxy) and t.requires_grad for t in ti.tree_flatten(args)[0])
-
-
 def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enabled: bool) -> None:
     """Refuse, at trace time, the in-place writes into views whose result would be silently wrong."""
     view = _view_made_by(a) if isinstance(a, DTensorProxy) else None
@@ -239,14 +227,14 @@ def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enable
             hint="write out of place (torch.cat / torch.where), or redistribute the viewed DTensor to Replicate "
             "before taking the view",
         )
-    if grad_enabled and a.requires_grad and not _thunder_differentiates_correctly(name, args):
+    if grad_enabled and a.requires_grad:
         raise DTensorOpError(
             name,
             (a, *args),
             kwargs,
             "an in-place write into a view of a DTensor that requires grad: thunder 0.2.6's autodiff gets it "
-            "wrong (for plain tensors its gradients are wrong; add_ / sub_ of values that need no gradient are "
-            "right, and allowed)",
+            "wrong (for plain tensors too: mul_ into a view gives wrong gradients, and returning the written "
+            "tensor itself gives stale values, even for add_)",
             hint="write out of place (y = torch.cat([y[:, :1] * 0.5, y[:, 1:]], 1), torch.where), or write "
             "into the viewed DTensor itself, or run this part under torch.no_grad()",
         )

@@ -477,9 +477,10 @@ class _Lowering:
                 self.materialized.add(o.name)
         if bsym.sym.name in RENAMING_PRIMS:
             for before, after in zip(bsym.flat_proxy_args, bsym.flat_proxy_outs):
-                known = before.name in self.local or before.name in self.guarded or before.name in self.renamed
-                if isinstance(before, DTensorProxy) and isinstance(after, DTensorProxy) and known:
-                    self.renamed[after.name] = self.local_info(before)
+                if not (isinstance(before, DTensorProxy) and isinstance(after, DTensorProxy)):
+                    continue
+                if before.name in self.local or before.name in self.guarded or before.name in self.renamed:
+                    self.renamed[after.name] = self.local_info(before)  # its layout is known: the same one
         # a generic vjp was traced for its output's cotangent spec, which the gradient it gets may not have
         overridden = any(isinstance(a, DTensorProxy) and a.name in self.spec for a in bsym.flat_proxy_args)
         if overridden or bsym.sym.name in GENERIC_VJP_NAMES:

@@ -287,16 +287,13 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
 
     # as at run time, where a prim that is not lowered runs under no_grad on inputs that may require grad
     try:
-        try:
-            with ti.fake_tensor_mode(), torch.no_grad():
-                fake_args, fake_kwargs = ti.tree_map(_runtime_like_stand_in, (args, kwargs))
-                out = torch_fn(*fake_args, **fake_kwargs)
-        except Exception as e:
-            # DTensor's propagation re-raises what it hit as a RuntimeError: the cause decides
-            if _caused_by(e, ti.DataDependentOutputException):
-                raise ti.DataDependentOutputException(str(e)) from e
-            raise
-    except ti.DataDependentOutputException:
+        with ti.fake_tensor_mode(), torch.no_grad():
+            fake_args, fake_kwargs = ti.tree_map(_runtime_like_stand_in, (args, kwargs))
+            out = torch_fn(*fake_args, **fake_kwargs)
+    except Exception as e:
+        # DTensor's propagation re-raises what it hit as a RuntimeError: the cause decides
+        if not _caused_by(e, ti.DataDependentOutputException):
+            raise rejected(e) from e
         # A few sharding rules read data (vocab-sharded embedding masks ids, a _StridedShard scalar operand):
         # run those on real zeros. Every rank traces the same program, so any collective this runs is matched
         # on all ranks.
@@ -304,10 +301,8 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
             with torch.no_grad():
                 zero_args, zero_kwargs = ti.tree_map(lambda x: _runtime_like_stand_in(x, torch.zeros), (args, kwargs))
                 out = torch_fn(*zero_args, **zero_kwargs)
-        except Exception as e:
-            raise rejected(e) from e
-    except Exception as e:
-        raise rejected(e) from e
+        except Exception as zeros_error:
+            raise rejected(zeros_error) from zeros_error
     if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
         out = tuple(out)
     wrong = _shapes_unlike_torch(torch_fn, args, kwargs, out) if op_name in SHAPE_CHECKED_PRIMS else ""

@@ -1135,9 +1135,8 @@ def _eager_mismatches(program: Program, eager: _Run, expected: torch.Tensor, exp
     """Where eager DTensor's own values differ from plain torch ("output", "grad <name>"): for triage only."""
     tol = _TOLERANCES[program.dtype]
     wrong = set()
-    if eager.out_full is not None and _close(eager.out_full, expected.detach(), tol):
-        wrong.add("output")
-    if eager.shape is not None and eager.shape != tuple(expected.shape):
+    wrong_values = eager.out_full is not None and _close(eager.out_full, expected.detach(), tol)
+    if wrong_values or (eager.shape is not None and eager.shape != tuple(expected.shape)):
         wrong.add("output")
     for spec, want, have in zip(program.inputs, expected_grads, eager.grads if eager.backward_ran else ()):
         if want is not None and have is not None and _close(have, want, tol):

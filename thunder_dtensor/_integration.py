@@ -1101,8 +1101,18 @@ def keep_dtensors_in_alias_updates(
             bsym = bsym.from_bsym(sym=update_aliases_prim)
         return bsym, swap_map
 
+    thunder_involves_viewed_args = update_aliases._involves_viewed_args
+
+    def involves_viewed_args(bsym: BoundSymbol, viewed: set) -> bool:
+        # thunder skips the return: a DTensor written through one of its views and then returned itself would
+        # be returned under its name from before the write, which the forward/backward split then drops
+        if bsym.sym.id == prims.PrimIDs.RETURN:
+            return any(is_dtensor_proxy(p) and variableify(p) in viewed for p in bsym.flat_proxy_args)
+        return thunder_involves_viewed_args(bsym, viewed)
+
     update_aliases._get_new_alias = get_new_alias
     update_aliases._get_update_bsym = get_update_bsym
+    update_aliases._involves_viewed_args = involves_viewed_args
 
 
 def local_shards_alias(a: Any, b: Any) -> bool:

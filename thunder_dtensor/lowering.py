@@ -40,6 +40,7 @@ from thunder_dtensor.primitive import (
     dtensor_rewritten_prim,
     propagate_on_fake_dtensors,
     to_torch_value,
+    without_unused_vjp_gradients,
 )
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
@@ -1049,6 +1050,7 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
     bsyms = _flatten(list(trace.bound_symbols))
     if not any(b.sym.name in DTENSOR_PRIMS for b in bsyms):
         return trace
+    bsyms = without_unused_vjp_gradients(bsyms)  # a joint traces with eager's requires_grad pattern
     state = _Lowering(trace)
     pairs = _pair_vjps(bsyms)
     for i, bsym in enumerate(bsyms):

@@ -515,9 +515,21 @@ def prune_unused_vjp_gradients(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
     computed. Walking the backward from its return, this narrows each vjp's ``diff_indices`` to the outputs
     that are read later (and drops a vjp nothing reads), as eager's autograd skips inputs that need no grad.
     """
+    new_trace = ti.from_trace(backward_trace)
+    new_trace.bound_symbols = without_unused_vjp_gradients(backward_trace.bound_symbols)
+    return new_trace
+
+
+def without_unused_vjp_gradients(bsyms: list) -> list:
+    """``bsyms`` with each generic vjp narrowed to the gradients read later (see ``prune_unused_vjp_gradients``).
+
+    The lowering needs this before it traces a joint: torch's decompositions depend on which inputs require
+    grad (``matmul`` folds its batch into ``mm`` only when the smaller operand does), so a gradient nobody
+    reads would change the local program, and the placements, from eager's.
+    """
     used: set = set()
     kept: list = []
-    for bsym in reversed(backward_trace.bound_symbols):
+    for bsym in reversed(bsyms):
         if bsym.sym.name in GENERIC_VJP_NAMES:  # the prim, or its dtensor_ex operator after claiming
             args, kwargs, cotangents, diff_indices = bsym.args
             outs = tuple(bsym.output)
@@ -534,9 +546,7 @@ def prune_unused_vjp_gradients(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
                 bsym = bsym.from_bsym(**narrowed, subsymbols=subsymbols)
         used.update(ti.variableify(a) for a in bsym.flat_proxy_args)
         kept.append(bsym)
-    new_trace = ti.from_trace(backward_trace)
-    new_trace.bound_symbols = kept[::-1]
-    return new_trace
+    return kept[::-1]
 
 
 def _has_complex_tensor(args: tuple, kwargs: dict) -> bool:

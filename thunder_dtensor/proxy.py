@@ -35,6 +35,8 @@ class DTensorProxy(ti.TensorProxy):
             lambda: f"DTensorProxy shape {tuple(self._shape)} does not match its spec's global shape {meta.shape}",
         )
         self.meta: DTensorMeta = meta
+        #: made by autodiff as the zero cotangent of a value nothing flows back to (ops/factories.py)
+        self.is_zero_cotangent: bool = False
 
     @property
     def device_mesh(self) -> Any:

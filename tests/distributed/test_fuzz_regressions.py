@@ -111,21 +111,100 @@ def test_in_place_write_into_a_view_of_a_view(lowering):
             assert placements != [Replicate()] and "computed on gathered data" in str(error)
 
 
+def _add_into_a_view_then_return_it(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[:, 1:].add_(0.5)
+    return y  # (fuzzer seed 457: thunder 0.2.6 returns y as it was before the write, plain tensors too)
+
+
+def _sub_into_a_view_then_read_both(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    v = y[:, 1:]
+    v.sub_(0.25)
+    return y.sum(1) + v.sum(1)
+
+
+def _add_into_a_view_of_a_view_then_read_it(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    v = y[1:][:, ::2]
+    v.add_(1.5)
+    return v * y[1:, :1]
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+@pytest.mark.parametrize(
+    "program",
+    [_add_into_a_view_then_return_it, _sub_into_a_view_then_read_both, _add_into_a_view_of_a_view_then_read_it],
+)
+def test_adding_a_number_into_a_view_that_requires_grad(program, lowering):
+    """``add_`` / ``sub_`` of a number into a view that requires grad runs with eager's values and gradients
+    (fuzzer seeds 125, 170, 182, 194 and 256 were refused). Such a write passes the gradient through unchanged,
+    where thunder's autodiff, which treats the viewed tensor after the write as the one before it, is right;
+    and the returned tensor is now the written one."""
+    for placements in ([Replicate()], [Shard(0)], [Partial()]):
+        case = DTensorCase(program, [make_full((4, 6), seed=17)], [placements], mesh=mesh_1d())
+        try:
+            run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+        except DTensorOpError as error:  # a view DTensor computes on gathered data is a copy: refused
+            assert placements == [Shard(0)] and "computed on gathered data" in str(error)
+
+
 @pytest.mark.world_size(2)
 @LOWERING
-def test_in_place_add_into_a_view_that_requires_grad_is_refused(lowering):
-    """Even ``add_`` into a view that requires grad is refused: thunder 0.2.6 returns stale values when the
-    written tensor itself is returned (``y = x.clone(); y[:, 1:].add_(0.5); return y``, plain tensors too;
-    the fuzzer's seed 457), and gets ``mul_``'s gradients wrong."""
+def test_other_writes_into_a_view_that_requires_grad_are_refused(lowering):
+    """Where thunder 0.2.6's autodiff is wrong on plain tensors too (``mul_`` into a view: wrong gradients;
+    ``add_`` of a tensor when only the viewed tensor is read afterwards: that tensor's gradient is lost), a
+    clear error at trace time."""
 
-    def fn(x: torch.Tensor) -> torch.Tensor:
+    def scale(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         y = x.clone()
-        y[:, 1:].add_(0.5)
-        return y
+        y[:, 1:].mul_(0.5)
+        return y * 2
 
-    x = distribute_tensor(make_full((4, 6), seed=17), mesh_1d(), [Replicate()]).requires_grad_()
-    with pytest.raises(DTensorOpError, match="view of a DTensor that requires grad"):
-        thunder.jit(fn, dtensor_lowering=lowering)(x)
+    def add_tensor(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y[:, 1:].add_(b)
+        return y * 2
+
+    for program in (scale, add_tensor):
+        x = distribute_tensor(make_full((4, 6), seed=17), mesh_1d(), [Replicate()]).requires_grad_()
+        b = distribute_tensor(make_full((4, 5), seed=18), mesh_1d(), [Replicate()]).requires_grad_()
+        with pytest.raises(DTensorOpError, match="view of a DTensor that requires grad") as error:
+            thunder.jit(program, dtensor_lowering=lowering)(x, b)
+        assert "placements=" in str(error.value) and "hint:" in str(error.value)
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+def test_matmul_decomposes_as_in_eager_when_an_operand_needs_no_gradient(lowering):
+    """Fuzzer seed 360: ``o2 @ x.expand(3, 6, 3)`` with ``x`` Partial and requiring grad, ``o2`` not. torch's
+    matmul folds the batch into one ``mm`` only when the smaller operand requires grad; the lowering traced
+    it with a gradient for ``o2`` that nothing reads, so it folded, gathered ``x`` and gave Replicate where
+    eager gives Partial (values right)."""
+
+    def fn(x: torch.Tensor, o2: torch.Tensor) -> torch.Tensor:
+        return o2 @ x.expand(3, 6, 3)
+
+    inputs = [make_full((6, 3), seed=20), make_full((7, 6), seed=21)]
+    case = DTensorCase(fn, inputs, [[Partial()], [Replicate()]], requires_grad=[True, False], mesh=mesh_1d())
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+def test_zero_cotangent_of_an_overwritten_value_adds_nothing(lowering):
+    """Fuzzer seed 327: after ``y.add_(0.5)`` autodiff sums a zero cotangent (the overwritten value's) into
+    ``y``'s gradient; that sum took the zeros' placements, ``S(1)``, where eager's gradient is ``S(2)``."""
+
+    def fn(x: torch.Tensor, o1: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y.add_(0.5)
+        return torch.matmul(y.view(48, 4), o1)
+
+    inputs = [make_full((6, 8, 4), seed=22, dtype=torch.float64), make_full((4, 8), seed=23, dtype=torch.float64)]
+    case = DTensorCase(fn, inputs, [[Shard(1)], [Shard(0)]], requires_grad=[True, False], mesh=mesh_1d())
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})
 
 
 @pytest.mark.world_size(2)

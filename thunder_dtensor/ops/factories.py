@@ -34,6 +34,7 @@ def bind_zero_cotangent(output: Any) -> ti.BoundSymbol | None:
     """thunder's autodiff needs a zero cotangent for ``output``: a DTensor of its spec when it is one."""
     if not isinstance(output, DTensorProxy):
         return None
+    output.is_zero_cotangent = True  # summed into another cotangent, it adds nothing (ops/pointwise.py)
     return dtensor_zeros_prim.bind(output.meta.spec, output.local_shape, output.device, output=output)
 
 

@@ -211,6 +211,20 @@ def _gathering_view(view: ti.BoundSymbol, a: DTensorProxy) -> ti.BoundSymbol | N
     return None
 
 
+#: in-place ops whose written value's gradient is the destination's, unchanged (``add_(0.5)``, ``sub_(1)``)
+_IDENTITY_GRADIENT_OPS = frozenset({"add_", "sub_"})
+
+
+def _gradient_passes_through(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether thunder's autodiff is right about a write into a view: the op passes the gradient through to
+    the destination unchanged and every other operand is a number. Thunder treats the viewed tensor after
+    the write as the tensor before it, which is then exactly right (and the return reads the written value:
+    ``keep_dtensors_in_alias_updates``). A tensor operand is refused even where its proxy says it needs no
+    grad: an intermediate's proxy does not say so reliably, and a lost gradient would be silent."""
+    operands = ti.tree_flatten((args, kwargs))[0]
+    return name in _IDENTITY_GRADIENT_OPS and not any(isinstance(x, ti.TensorProxy) for x in operands)
+
+
 def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enabled: bool) -> None:
     """Refuse, at trace time, the in-place writes into views whose result would be silently wrong."""
     view = _view_made_by(a) if isinstance(a, DTensorProxy) else None
@@ -227,14 +241,15 @@ def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enable
             hint="write out of place (torch.cat / torch.where), or redistribute the viewed DTensor to Replicate "
             "before taking the view",
         )
-    if grad_enabled and a.requires_grad:
+    if grad_enabled and a.requires_grad and not _gradient_passes_through(name, args, kwargs):
         raise DTensorOpError(
             name,
             (a, *args),
             kwargs,
-            "an in-place write into a view of a DTensor that requires grad: thunder 0.2.6's autodiff gets it "
-            "wrong (for plain tensors too: mul_ into a view gives wrong gradients, and returning the written "
-            "tensor itself gives stale values, even for add_)",
+            "an in-place write into a view of a DTensor that requires grad, other than add_ / sub_ of a number: "
+            "thunder 0.2.6's autodiff gets it wrong (for plain "
+            "tensors too: it does not model that the write changes the viewed tensor, so mul_ into a view gives "
+            "wrong gradients, and y[:, 1:].add_(b) loses b's gradient when only y is read afterwards)",
             hint="write out of place (y = torch.cat([y[:, :1] * 0.5, y[:, 1:]], 1), torch.where), or write "
             "into the viewed DTensor itself, or run this part under torch.no_grad()",
         )

@@ -418,8 +418,26 @@ def _type_as(a, other):
 _register()
 
 
+def _is_zero_cotangent(x: Any, *, like: Any) -> bool:
+    """``x`` is a zero cotangent autodiff made (ops/factories.py) of ``like``'s shape and dtype."""
+    return (
+        isinstance(x, DTensorProxy)
+        and x.is_zero_cotangent
+        and isinstance(like, DTensorProxy)
+        and (x.shape, x.dtype) == (like.shape, like.dtype)
+    )
+
+
 def accumulate_cotangents(a: Any, b: Any) -> Any:
-    """How thunder's autodiff sums two cotangents of one value: dtensor add for DTensors, else thunder's."""
+    """How thunder's autodiff sums two cotangents of one value: dtensor add for DTensors, else thunder's.
+
+    A zero cotangent autodiff made (a value overwritten in place, an unused output) adds nothing: eager has no
+    such term, and adding it would give the sum the zeros' placements instead of the gradient's.
+    """
+    if _is_zero_cotangent(a, like=b):
+        return b
+    if _is_zero_cotangent(b, like=a):
+        return a
     if isinstance(a, DTensorProxy) or isinstance(b, DTensorProxy):
         return dtensor_add(a, b)
     return ltorch.add(a, b)

@@ -122,6 +122,7 @@ STYLE_ATTRIBUTES = {
 }
 
 
+@ti.installer("dtensor", "parallelize_module's hooks run whole, as lookasides (their prologue checks kept)")
 def install() -> None:
     torch_functions = ti.tensor_parallel_style_functions()
     prepare_input_arg = torch_functions["PrepareModuleInput._prepare_input_arg"]

@@ -1,0 +1,113 @@
+"""The patch registry (``thunder_dtensor/_integration/registry.py``): what the package changes in thunder and
+torch is listed, checked against what it replaces, installed once, and can be undone."""
+
+import pathlib
+import types
+
+import thunder_dtensor  # noqa: F401  (first: makes thunder importable on torch >= 2.13)
+from thunder_dtensor._integration import registry
+
+import pytest
+import thunder
+import torch
+
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+def test_every_patch_is_listed_with_its_owner_kind_and_reason():
+    patches = registry.installed()
+    assert len(patches) > 40
+    assert {p.kind for p in patches} == set(registry.PATCH_KINDS)
+    for p in patches:
+        assert p.owner in registry.installers() and p.reason and p.where.startswith("thunder")
+    # nothing is patched twice by one installer (idempotence by key)
+    slots = [(id(p.target), p.slot, p.in_table, p.owner) for p in patches]
+    assert len(slots) == len(set(slots))
+
+
+def test_patches_that_act_on_plain_programs_are_documented():
+    text = DOCS.read_text()
+    for owner, kind in registry.installers().items():
+        if kind != "dtensor":
+            assert f"`{owner.split('.')[-1]}`" in text, f"{owner} ({kind}) is not in docs/architecture.md"
+
+
+def test_an_installer_runs_once():
+    before = list(registry.installed())
+    thunder_dtensor._integration.run_interpreter_helpers_directly()
+    thunder_dtensor._integration.make_placements_opaque()
+    assert registry.installed() == before
+
+
+def test_undo_restores_thunders_objects_and_reinstalling_patches_again():
+    from thunder.core import interpreter
+
+    owner = "speedups.run_interpreter_helpers_directly"
+    mine = [p for p in registry.installed() if p.owner == owner]
+    assert mine and all(p.kind == "speedup" for p in mine)
+    handlers = interpreter._default_opcode_handler_map
+
+    def fn(x, d):
+        a, b = d["pair"]
+        return x * a + b if "pair" in d else x
+
+    x = torch.randn(3)
+    expected = fn(x, {"pair": (2.0, 1.0)})
+    registry.undo(owner)
+    try:
+        assert owner not in registry.installers()
+        for p in mine:
+            now = p.target[p.slot] if p.in_table else getattr(p.target, p.slot)
+            assert now is p.original
+        assert handlers["BINARY_SUBSCR"].__module__ == "thunder.core.interpreter"
+        torch.testing.assert_close(thunder.jit(fn)(x, {"pair": (2.0, 1.0)}), expected)
+    finally:
+        thunder_dtensor._integration.run_interpreter_helpers_directly()
+    assert [p.where for p in registry.installed() if p.owner == owner] == [p.where for p in mine]
+    assert handlers["BINARY_SUBSCR"].__module__.startswith("thunder_dtensor")
+    torch.testing.assert_close(thunder.jit(fn)(x, {"pair": (2.0, 1.0)}), expected)
+
+
+def _layout_a_release_might_change() -> types.SimpleNamespace:
+    def hook(trace, executors_list):
+        return trace
+
+    hook.__module__ = "thunder.common"
+    return types.SimpleNamespace(first=hook, second=hook, table={})
+
+
+def test_a_changed_layout_fails_loudly_naming_the_slot_and_changes_nothing():
+    target = _layout_a_release_might_change()
+    original = target.first
+
+    @registry.installer("dtensor", "a test patch")
+    def install_against_the_wrong_signature() -> None:
+        registry.patch(target, "first", lambda trace, executors: trace, expects=registry.expects_function("thunder"))
+        registry.patch(target, "second", len, expects=registry.expects_function("thunder.common", "trace", "executors"))
+
+    with pytest.raises(registry.IntegrationError, match=r"\.second: expected a function of thunder.common taking"):
+        install_against_the_wrong_signature()
+    # the installer's first patch was undone with it, and it is not counted as installed
+    assert target.first is original
+    assert not [p for p in registry.installed() if p.target is target]
+    assert not [name for name in registry.installers() if name.endswith("install_against_the_wrong_signature")]
+
+
+def test_table_entries_and_their_checks():
+    target = _layout_a_release_might_change()
+
+    @registry.installer("speedup", "a test patch")
+    def install_table_entries() -> None:
+        registry.patch(target.table, "new", 1, table="a test table", expects=registry.expects_absent)
+
+    install_table_entries()
+    try:
+        (p,) = [p for p in registry.installed() if p.target is target.table]
+        assert p.where == "a test table[new]" and target.table == {"new": 1} and p.kind == "speedup"
+        with pytest.raises(RuntimeError, match="inside an @installer"):
+            registry.patch(target.table, "other", 2, table="a test table", expects=registry.expects_absent)
+    finally:
+        registry.undo(p.owner)
+    assert target.table == {}
+    assert registry.expects_absent(1) == "no entry"
+    assert registry.expects_identical(torch)(torch) is None and registry.expects_identical(torch)(thunder)

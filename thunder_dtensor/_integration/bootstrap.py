@@ -1,0 +1,472 @@
+"""Version gates, importing thunder on torch >= 2.13, and the thunder / torch names the package uses."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from looseversion import LooseVersion
+
+TORCH_VERSION = LooseVersion(torch.__version__.split("+")[0])
+#: the torch releases whose private names (listed above) this module was checked against
+TORCH_TESTED_RANGE = (LooseVersion("2.13"), LooseVersion("2.14"))
+if not (TORCH_TESTED_RANGE[0] <= TORCH_VERSION < TORCH_TESTED_RANGE[1]):
+    raise ImportError(
+        f"thunder_dtensor supports torch 2.13.x, found {torch.__version__}: the private torch names it uses "
+        "(thunder_dtensor/_integration/) are checked for that release only; update that package for this one"
+    )
+
+
+#: Whether torch was built with ``torch.distributed``; the package imports without it.
+DISTRIBUTED_AVAILABLE: bool = torch.distributed.is_available()
+
+from thunder_dtensor._integration.registry import IntegrationError  # noqa: E402
+
+import thunder_dtensor_autoload as _autoload  # noqa: E402
+
+
+@contextlib.contextmanager
+def _named_tensor_shims() -> Iterator[dict[str, Callable]]:
+    """Temporarily provide the named-tensor methods thunder 0.2.x references at import time."""
+    missing = {
+        name: _autoload.named_tensor_placeholder(name, torch.__version__)
+        for name in _autoload.REMOVED_NAMED_TENSOR_METHODS
+        if not hasattr(torch.Tensor, name)
+    }
+    for name, fn in missing.items():
+        setattr(torch.Tensor, name, fn)
+    try:
+        yield missing
+    finally:
+        for name, fn in missing.items():
+            if getattr(torch.Tensor, name, None) is fn:
+                delattr(torch.Tensor, name)
+
+
+def _drop_named_tensor_placeholders(placeholders: dict[str, Callable]) -> None:
+    """Remove the placeholders from ``torch.Tensor`` and from the tables thunder filled with them."""
+    if not placeholders:
+        return
+    import thunder.torch.default_torch_ops as default_ops
+    from thunder.core import jit_ext
+    from thunder.torch import _torch_to_thunder_function_map
+    from thunder.torch.langctx import _method_name_to_fn_map
+
+    dropped = set(placeholders.values())
+    for name, fn in placeholders.items():
+        if getattr(torch.Tensor, name, None) is fn:
+            delattr(torch.Tensor, name)
+        _torch_to_thunder_function_map.pop(fn, None)
+        jit_ext._general_jit_lookaside_map.pop(fn, None)
+        _method_name_to_fn_map.pop(name, None)
+    ops = default_ops.torch_auto_registered_ops[torch.Tensor]
+    ops[:] = [fn for fn in ops if fn not in dropped]
+
+
+def _import_thunder() -> types.ModuleType:
+    """thunder, imported with the named-tensor placeholders it needs on torch >= 2.13, then cleaned up.
+
+    thunder may have been imported before this package (see ``thunder_dtensor_autoload``): the
+    placeholders it was given then are removed here too.
+    """
+    placeholders = dict(_autoload.installed_placeholders)
+    _autoload.installed_placeholders.clear()
+    if "thunder" in sys.modules and hasattr(sys.modules["thunder"], "jit"):
+        _drop_named_tensor_placeholders(placeholders)
+        return sys.modules["thunder"]
+    with _named_tensor_shims() as shims:
+        import thunder
+
+        placeholders.update(shims)
+        _drop_named_tensor_placeholders(placeholders)
+    return thunder
+
+
+thunder = _import_thunder()
+THUNDER_VERSION = LooseVersion(thunder.__version__)
+if not (LooseVersion("0.2.6") <= THUNDER_VERSION < LooseVersion("0.3")):
+    raise ImportError(
+        f"thunder_dtensor supports lightning-thunder 0.2.6 to 0.2.x, found {thunder.__version__}; "
+        "update thunder_dtensor/_integration/ for this release"
+    )
+
+import thunder.torch as ltorch  # noqa: E402
+
+
+def _experimental_single_device_symbol(fn: Any) -> Any:
+    """The single-device symbol inside one of thunder's experimental DTensor dispatch wrappers, else None."""
+    code = getattr(fn, "__code__", None)
+    if code is None or not getattr(fn, "__qualname__", "").startswith("dispatch_to_impl."):
+        return None
+    cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+    cell = cells.get("single_device_symbol")
+    return None if cell is None else cell.cell_contents
+
+
+def _is_experimental_dtensor_symbol(fn: Any) -> bool:
+    return str(getattr(fn, "id", "")).startswith("dtensor.")
+
+
+def _remove_thunder_experimental_dtensor_registrations() -> None:
+    """Undo what thunder's experimental DTensor path put in the torch-to-thunder map and method table.
+
+    thunder 0.2.6 registers, when it is imported, wrappers for about ten torch functions that send DTensor
+    calls to its own prims. We restore thunder's single-device symbols there (this package registers its
+    own dispatchers afterwards) and drop its DTensor-only entries (``DTensor.from_local`` & co.).
+    """
+    from thunder.core import jit_ext
+    from thunder.torch.langctx import _method_name_to_fn_map
+
+    fn_map = ltorch._torch_to_thunder_function_map
+    wrapped = [torch_fn for torch_fn, impl in fn_map.items() if _experimental_single_device_symbol(impl) is not None]
+    if not wrapped:  # thunder 0.2.6 wraps torch.add & co.; none found: its layout changed (or the path went)
+        raise IntegrationError(
+            "found none of thunder's experimental DTensor wrappers (dispatch_to_impl closures) in its torch-to-thunder "
+            "map: update thunder_dtensor/_integration/bootstrap.py for this thunder release"
+        )
+    for torch_fn, impl in list(fn_map.items()):
+        single = _experimental_single_device_symbol(impl)
+        if single is not None:
+            fn_map[torch_fn] = single
+            jit_ext._general_jit_lookaside_map[torch_fn] = jit_ext.ensure_recursive_proxies(
+                jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(single))
+            )
+        elif _is_experimental_dtensor_symbol(impl):
+            del fn_map[torch_fn]
+            jit_ext._general_jit_lookaside_map.pop(torch_fn, None)
+    for name, impl in list(_method_name_to_fn_map.items()):
+        single = _experimental_single_device_symbol(impl)
+        if single is not None:
+            _method_name_to_fn_map[name] = single
+
+
+def _refresh_constant_folding_inverse_map() -> None:
+    """ConstantFolding inverts the torch-to-thunder map once, at its import; it must hold thunder's symbols.
+
+    Called after the experimental entries are undone and before this package adds its dispatchers.
+    """
+    import thunder.transforms.constant_folding as constant_folding
+
+    inverse = constant_folding._thunder_to_torch_function_map
+    inverse.clear()
+    inverse.update({v: k for k, v in ltorch._torch_to_thunder_function_map.items()})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thunder internals used by the package (re-exported so other modules never reach into thunder directly)
+# ---------------------------------------------------------------------------------------------------------
+import thunder.core.devices as devices  # noqa: E402
+import thunder.core.dtypes as dtypes  # noqa: E402
+from thunder.core import prims  # noqa: E402
+from thunder.core.baseutils import check  # noqa: E402
+from thunder.core.compile_data import get_compile_data  # noqa: E402
+from thunder.core.langctxs import Languages, langctx  # noqa: E402
+from thunder.core.prims import OpTags, make_prim  # noqa: E402
+from thunder.core.proxies import AnyProxy, NumberProxy, Proxy, TensorProxy, pyval, variableify  # noqa: E402
+from thunder.core.pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag, Symbol  # noqa: E402
+from thunder.core.trace import TraceCtx, from_trace, get_tracectx, tracectx  # noqa: E402
+from thunder.core.transforms import get_grad, put_grad, put_grads, register_grad  # noqa: E402
+from thunder.extend import OperatorExecutor, add_always_executor, register_executor  # noqa: E402
+
+if DISTRIBUTED_AVAILABLE:
+    _remove_thunder_experimental_dtensor_registrations()
+_refresh_constant_folding_inverse_map()
+
+__all__ = [
+    "AnyProxy",
+    "BoundSymbol",
+    "BoundSymbolTag",
+    "DataDependentOutputException",
+    "DISTRIBUTED_AVAILABLE",
+    "Languages",
+    "NumberProxy",
+    "OpTags",
+    "OperatorExecutor",
+    "Proxy",
+    "Symbol",
+    "TensorProxy",
+    "TraceCtx",
+    "add_always_executor",
+    "check",
+    "devices",
+    "dtypes",
+    "from_trace",
+    "get_compile_data",
+    "get_grad",
+    "get_tracectx",
+    "langctx",
+    "ltorch",
+    "make_prim",
+    "prims",
+    "put_grad",
+    "put_grads",
+    "pyval",
+    "register_executor",
+    "register_grad",
+    "thunder",
+    "tracectx",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "variableify",
+]
+
+# ---------------------------------------------------------------------------------------------------------
+# torch internals
+# ---------------------------------------------------------------------------------------------------------
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException  # noqa: E402
+
+#: what a fake run raises when the answer depends on the data: nothing is known about the op then
+UNKNOWABLE_ON_FAKE_TENSORS = (DataDependentOutputException, DynamicOutputShapeException)
+
+if DISTRIBUTED_AVAILABLE:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DeviceMesh, DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+else:  # pragma: no cover - exercised by the no-distributed test through a subprocess
+    FakeTensorMode = DeviceMesh = DTensor = DTensorSpec = TensorMeta = None
+    Partial = Placement = Replicate = Shard = _StridedShard = None
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """A ``_StridedShard`` (private placement: a reshape of a transposed shard gives one)."""
+    return _StridedShard is not None and isinstance(placement, _StridedShard)
+
+
+def torch_tree_flatten(tree: Any) -> tuple[list, Any]:
+    """torch's pytree flatten (DTensors are leaves), for run-time argument handling."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def torch_tree_unflatten(leaves: list, spec: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def dtensor_spec(x: Any) -> Any:
+    """The ``DTensorSpec`` of a runtime DTensor (private attribute)."""
+    return x._spec
+
+
+def local_tensor(x: Any) -> torch.Tensor:
+    """The local shard of a runtime DTensor, without autograd tracking through ``to_local``."""
+    return x._local_tensor
+
+
+def size_hint(s: Any) -> int:
+    """A size as an int: a symbolic size (dynamo's dynamic shapes) reads as the value it was traced with."""
+    return s.node.hint if isinstance(s, torch.SymInt) else int(s)
+
+
+def spec_with_sizes(spec: Any, shape: Any, stride: Any) -> Any:
+    """``spec`` with its global shape and stride replaced (as tuples of ints)."""
+    meta = TensorMeta(tuple(size_hint(s) for s in shape), tuple(size_hint(s) for s in stride), spec.tensor_meta.dtype)
+    return dataclasses.replace(spec, tensor_meta=meta)
+
+
+@functools.lru_cache(maxsize=1024)
+def canonical_spec_repr(spec: Any) -> str:
+    """Everything of ``spec`` that shapes a traced program, as one string: the prologue compares it.
+
+    ``repr(spec)`` is not enough: a ``DeviceMesh`` prints its shape, not its ranks, so meshes with the same
+    ranks in another order read the same. Written out: the mesh's device type, full rank layout and dim
+    names; each placement's repr (Shard dim, Partial reduce op, ``_StridedShard`` split factor); the shard
+    order; the global shape and stride as tuples of ints (a spec made by inductor holds tuples where an
+    eager one holds ``torch.Size``); the dtype.
+
+    Memoised on the spec, so a cache hit costs one hash (cached by the spec) and one ``__eq__``. That is
+    sound only because ``DTensorSpec.__eq__`` (torch 2.13) compares everything written here: the mesh by
+    rank map, layout, device type and dim names; placements by value (type, dim, reduce op, split
+    factor); shard order, shape, stride and dtype. tests/distributed/test_guards.py fails if it stops.
+    """
+    mesh, meta = spec.mesh, spec.tensor_meta
+    placements = ", ".join(repr(p) for p in spec.placements)
+    shard_order = getattr(spec, "shard_order", None)
+    return (
+        f"mesh={mesh.device_type}:{mesh.mesh.tolist()} names={mesh.mesh_dim_names} placements=({placements}) "
+        f"shard_order={shard_order!r} shape={tuple(size_hint(s) for s in meta.shape)} "
+        f"stride={tuple(size_hint(s) for s in meta.stride)} dtype={meta.dtype}"
+    )
+
+
+def dtensor_around(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor of ``spec`` wrapping ``local`` as is (trace-time stand-ins: no autograd, no checks)."""
+    return DTensor(local, spec, requires_grad=False)
+
+
+def dtensor_from_local_unchecked(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor of ``spec`` around ``local``, without communication (shape and stride from the spec)."""
+    meta = spec.tensor_meta
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride)
+
+
+def local_offset(dtensor: Any) -> tuple[int, ...]:
+    """Where this rank's shard starts in the global tensor, per dim."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    spec = dtensor_spec(dtensor)
+    # numbers known from the spec, not traced values (the lowering's tracing runs this under fake tensors)
+    with outside_tracing_modes():
+        offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)[1]
+    return tuple(int(o) for o in offset)
+
+
+@contextlib.contextmanager
+def outside_tracing_modes() -> Iterator[None]:
+    """Leave any active fake tensor mode and make_fx (or recorder) tracing: for trace-time work on its own tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing(), unset_fake_temporarily(), _recording_suspended():
+        yield
+
+
+#: the lowering's ATen recorders in use, innermost last (compile_pipeline.trace_aten_graph)
+_RECORDERS: list = []
+
+
+@contextlib.contextmanager
+def fake_tensor_logging_muted() -> Iterator[None]:
+    """Mute fake tensor's log of failing meta kernels while a trace-time run may fail (we report it).
+
+    The logger is disabled rather than given another level: ``Logger.setLevel`` clears the level cache of every
+    logger in the process (thousands under torch), twice per trace-time run.
+    """
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
+@contextlib.contextmanager
+def _recording_suspended() -> Iterator[None]:
+    """The light ATen recorder (``trace_aten_graph``) passes calls through without recording them meanwhile."""
+    recorder = _RECORDERS[-1] if _RECORDERS else None
+    if recorder is not None:
+        recorder.suspended += 1
+    try:
+        yield
+    finally:
+        if recorder is not None:
+            recorder.suspended -= 1
+
+
+_DECOMPOSITIONS_WITHOUT_STRATEGY: dict | None = None
+
+
+def decompositions_dtensor_lacks() -> dict:
+    """torch's core-ATen decompositions of the aten ops DTensor has no sharding strategy, rule or handler for.
+
+    Read from DTensor's sharding propagator (``op_strategy_funcs``, ``op_single_dim_strategy_funcs``,
+    ``op_to_rules``) and op dispatcher (``_custom_op_handlers``), all private; computed once.
+    """
+    global _DECOMPOSITIONS_WITHOUT_STRATEGY
+    if _DECOMPOSITIONS_WITHOUT_STRATEGY is None:
+        from torch._decomp import core_aten_decompositions
+
+        dispatcher = DTensor._op_dispatcher
+        propagator = dispatcher.sharding_propagator
+        handled = set(dispatcher._custom_op_handlers)
+        for table in ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules"):
+            if not hasattr(propagator, table):  # (a renamed table: decompositions of ops it has rules for)
+                raise IntegrationError(
+                    f"DTensor's sharding propagator has no {table}: update thunder_dtensor/_integration"
+                )
+            handled |= set(getattr(propagator, table))
+        # the core-ATen table: its decompositions produce aten ops (the full table's refs produce prims.*,
+        # which DTensor has no strategies for)
+        table = core_aten_decompositions()
+        _DECOMPOSITIONS_WITHOUT_STRATEGY = {op: fn for op, fn in table.items() if op not in handled}
+    return _DECOMPOSITIONS_WITHOUT_STRATEGY
+
+
+def writes_into_an_input(node: Any) -> bool:
+    """Whether an fx node is an aten op whose schema mutates an argument that is a graph input."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return False
+    for arg, value in zip(target._schema.arguments, node.args):
+        if arg.is_write and isinstance(value, torch.fx.Node) and value.op == "placeholder":
+            return True
+    return False
+
+
+def is_random_op(target: Any) -> bool:
+    """Whether an fx node target draws random numbers (an aten op tagged ``nondeterministic_seeded``)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def clear_sharding_propagation_cache() -> None:
+    """Drop DTensor's cached sharding and redistribution decisions.
+
+    Some carry state: the placements of eager's vocab-parallel embedding (``_MaskPartial``) hold a mask
+    buffer, which a fake run (dynamo's) fills with a fake tensor of its fake mode.
+    """
+    from torch.distributed.tensor import _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
+def is_fake(x: Any) -> bool:
+    """Whether ``x`` is a fake tensor (a trace-time stand-in), or a DTensor around one."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(local_tensor(x) if isinstance(x, DTensor) else x, FakeTensor)
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the default random generator of ``device`` (what a random op draws from)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def fork_rng_of(values: list) -> Any:
+    """``torch.random.fork_rng`` over the generators of the devices of ``values`` (tensors or DTensors)."""
+    cuda = sorted({v.device.index or 0 for v in values if isinstance(v, torch.Tensor) and v.device.type == "cuda"})
+    return torch.random.fork_rng(devices=cuda)
+
+
+@functools.cache
+def _trace_time_fake_mode() -> FakeTensorMode:
+    """The one fake tensor mode of this package's trace-time runs.
+
+    Creating a mode walks the whole Python stack (``FakeTensorMode`` records where it was made), which under
+    thunder's interpreter is deep: about half a millisecond per fake run, a hundred times in a small model's
+    first call. Re-entering one mode is supported by torch, and keeps every fake tensor this package caches in
+    the same mode.
+    """
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def fake_tensor_mode() -> Iterator[Any]:
+    """Fake tensor mode for trace-time runs of torch ops.
+
+    An op that fails there is reported by this package (as a ``DTensorOpError``); fake tensor's own log of
+    the failing meta kernel is muted meanwhile.
+    """
+    with fake_tensor_logging_muted(), _trace_time_fake_mode() as mode:
+        yield mode

@@ -1,0 +1,241 @@
+"""The compile pipeline: the lowering's ATen recorder, executors and thunder's transform for execution
+(thunder 0.2.6 layout; used by lowering.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from thunder_dtensor._integration.bootstrap import (
+    _RECORDERS,
+    BoundSymbol,
+    OperatorExecutor,
+    Symbol,
+    TraceCtx,
+    _trace_time_fake_mode,
+    thunder,
+    tree_flatten,
+)
+from thunder_dtensor._integration.registry import expects_function, installer, patch
+
+import torch
+
+# ---------------------------------------------------------------------------------------------------------
+# Lowering (thunder 0.2.6 layout; used by lowering.py)
+# ---------------------------------------------------------------------------------------------------------
+from thunder.core.compile_data import get_compile_option  # noqa: E402, F401  (re-exported for lowering.py)
+from thunder.core.trace import TraceProvenance  # noqa: E402, F401  (re-exported for lowering.py)
+from torch._dispatch.python import enable_python_dispatcher  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed  # noqa: E402
+
+
+class _NotRecordable(Exception):
+    """A call the light recorder leaves to ``make_fx`` (which knows how to trace it)."""
+
+
+class _AtenGraphRecorder(TorchDispatchMode):
+    """Each ATen call that reaches it on fake tensors, as a node of an fx graph (as ``make_fx`` would record it).
+
+    ``make_fx`` builds fx proxies, a tracer and a ``GraphModule`` with generated code around each trace; the
+    lowering only reads the graph. For the common case (ATen ops on fake tensors the graph made) this records
+    the same graph at about a third of the cost. Anything ``make_fx`` treats specially (tensor constants,
+    ``torch.tensor`` literals, data-dependent ops, CompositeImplicit decompositions, non-tensor results) stops
+    the recording and the call is traced by ``make_fx`` instead: the graphs stay ``make_fx``'s in every case.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph = torch.fx.Graph()
+        self.node_of: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}  # id -> (tensor kept alive, its node)
+        self.suspended = 0
+        self.stopped: str | None = None
+
+    def record(self, tensor: torch.Tensor, node: torch.fx.Node) -> None:
+        self.node_of[id(tensor)] = (tensor, node)
+        node.meta["val"] = tensor
+
+    def node_for(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            entry = self.node_of.get(id(value))
+            if entry is None or entry[0] is not value:
+                raise self.stop("a tensor the graph did not make")
+            return entry[1]
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.node_for(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.node_for(v) for k, v in value.items()}
+        return value
+
+    def stop(self, why: str) -> _NotRecordable:
+        self.stopped = why
+        return _NotRecordable(why)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if any(t is not torch.Tensor and not issubclass(t, FakeTensor) for t in types):
+            return NotImplemented  # a tensor subclass (DTensor) dispatches first, then calls us on its shards
+        if self.suspended or func is torch.ops.prim.device.default:
+            return func(*args, **kwargs)
+        if func in _CALLS_MAKE_FX_TRACES_SPECIALLY or torch.Tag.data_dependent_output in func.tags:
+            raise self.stop(f"{func} is traced specially")
+        if _has_implicit_decomposition(func) and autograd_would_have_decomposed(func, tree_flatten((args, kwargs))[0]):
+            raise self.stop(f"{func} decomposes")
+        node_args, node_kwargs = self.node_for(args), self.node_for(kwargs)
+        out = func(*args, **kwargs)
+        node = self.graph.call_function(func, node_args, node_kwargs)
+        if isinstance(out, torch.Tensor):
+            self.record(out, node)
+        elif isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+            node.meta["val"] = out
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    self.record(o, self.graph.call_function(operator.getitem, (node, i)))
+        else:
+            raise self.stop(f"{func} returned no tensor")
+        return out
+
+
+@functools.cache
+def _has_implicit_decomposition(func: Any) -> bool:
+    """Whether ``make_fx`` would decompose ``func`` (its CompositeImplicitAutograd kernel) when it reaches it."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    return key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+
+
+_CALLS_MAKE_FX_TRACES_SPECIALLY = {torch.ops.aten.lift_fresh.default, torch.ops.aten.is_nonzero.default}
+
+#: the recorder of the trace being recorded (the innermost), for ``outside_tracing_modes``
+
+
+def trace_aten_graph(fn: Callable[..., list], inputs: list[tuple]) -> torch.fx.Graph:
+    """The ATen graph of ``fn`` on fake tensors of ``inputs`` ((shape, stride, dtype, device) each), as
+    ``make_fx(fn, tracing_mode="fake")`` records it. ``fn`` returns a list of tensors (or None); it may be
+    called twice (the second time under ``make_fx``, when the light recorder stops)."""
+    mode = _trace_time_fake_mode()
+    recorder = _AtenGraphRecorder()
+    with mode:
+        fakes = _empty_tensors(inputs)
+    for i, fake in enumerate(fakes):
+        recorder.record(fake, recorder.graph.placeholder(f"arg{i}_1"))
+    _RECORDERS.append(recorder)
+    try:
+        with enable_python_dispatcher(), mode, recorder:
+            outs = fn(*fakes)
+        if recorder.stopped is None:  # (a stop that the traced code caught still stops)
+            recorder.graph.output([None if o is None else recorder.node_for(o) for o in outs])
+    except Exception:
+        if recorder.stopped is None:
+            raise
+    finally:
+        _RECORDERS.pop()
+    if recorder.stopped is None:
+        return recorder.graph
+    with torch.no_grad():  # make_fx takes real example inputs: allocated with the local (small) shapes
+        examples = _empty_tensors(inputs)
+    return make_fx(fn, tracing_mode="fake")(*examples).graph
+
+
+def _empty_tensors(inputs: list[tuple]) -> list[torch.Tensor]:
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in inputs]
+
+
+def torch_tree_map(fn: Callable, tree: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
+@contextlib.contextmanager
+def no_ambient_autocast() -> Iterator[None]:
+    """torch's autocast off on every device type while a trace-time function runs (ops that autocast
+    themselves still can, inside)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def is_functional_collective(op: Any) -> bool:
+    """Whether ``op`` (an OpOverload) is one of torch.distributed's functional collectives (or their wait)."""
+    return getattr(op, "namespace", None) == "_c10d_functional"
+
+
+def group_name(mesh: Any, dim: int) -> str:
+    """The process group name of one mesh dim, as functional collectives name it."""
+    return mesh.get_group(dim).group_name
+
+
+def mesh_group_names(mesh: Any) -> tuple[str, ...]:
+    """The process group name of every dim of a (real) device mesh."""
+    return tuple(group_name(mesh, dim) for dim in range(mesh.ndim))
+
+
+def let_torch_executors_claim(symbol: Symbol, fn: Callable) -> None:
+    """Make a lowered local op claimable by thunder's torch executor and fusible by its torch.compile executor.
+
+    thunder's ``torchcompile`` executor fuses only symbols in its table and compiles each region through the
+    torch executor, so the op goes into both; collectives and the DTensor boundary never do.
+    """
+    from thunder.executors.torch_compile import torch_compile_ex
+    from thunder.executors.torchex import ex as pytorch_ex
+    from thunder.extend import ImplInfo
+
+    op = pytorch_ex.register_operator(symbol.name, like=symbol, fn=fn)
+    pytorch_ex.register_implementation(symbol, op, checker=lambda *args, **kwargs: True)
+    torch_compile_ex._implmap[symbol.id] = ImplInfo()
+
+
+def claiming_operator(bsym: BoundSymbol, executors: Sequence[Any]) -> Symbol | None:
+    """The operator thunder's claiming pass would replace ``bsym`` with: that of the first executor in
+    ``executors`` that can execute it, when that is an operator executor without an execution transform; None
+    where a fusion executor could take it first (its fusion pass needs the symbol as it is) or none can."""
+    from thunder.extend import FusionExecutor
+
+    for ex in executors:
+        if isinstance(ex, FusionExecutor) and bsym.sym.id in ex.implmap:
+            return None
+        if isinstance(ex, OperatorExecutor):
+            impl = ex.implmap.get(bsym.sym.id)
+            if impl is not None and impl.checker(*bsym.args, **bsym.kwargs):
+                return impl.symbol if impl.execution_transform is None else None
+    return None
+
+
+@installer("dtensor", "the lowering runs on the joint trace just before executors are assigned")
+def install_lowering(
+    lower: Callable[[TraceCtx, Sequence[Any]], TraceCtx],
+    enabled: Callable[[], bool],
+    annotate: Callable[[TraceCtx, TraceCtx], None],
+) -> None:
+    """Run ``lower`` on the computation trace (the joint forward + backward one under autograd) just before
+    thunder assigns executors to it.
+
+    thunder 0.2.6's ``thunder.jit`` calls ``transform_for_execution`` (imported into ``thunder``'s namespace) on
+    the prologue, then once on the computation trace, which autodiff has already made the joint trace; the
+    forward / backward split comes after, so a transform here sees both halves and the split saves whatever
+    the lowered forward computes for the backward. The prologue (run by the Python executor only) is skipped.
+    """
+    original = thunder.transform_for_execution
+
+    @functools.wraps(original)
+    def transform_for_execution(trace: TraceCtx, executors_list: Any, *args: Any, **kwargs: Any) -> Any:
+        is_prologue = tuple(executors_list) == (thunder.pythonex,)
+        if not is_prologue and enabled():
+            lowered = lower(trace, tuple(executors_list))
+            if lowered is not trace:
+                traces = original(lowered, executors_list, *args, **kwargs)
+                annotate(lowered, traces[-1])
+                return [lowered, *traces]
+        return original(trace, executors_list, *args, **kwargs)
+
+    patch(
+        thunder,
+        "transform_for_execution",
+        transform_for_execution,
+        expects=expects_function("thunder.common", "trace", "executors_list"),
+    )

@@ -1,0 +1,289 @@
+"""The one way this package changes a slot of thunder or torch: recorded, checked against what it replaces, undoable.
+
+An *installer* is a function decorated with :func:`installer`; inside it, each :func:`patch` replaces one slot
+(a module or class attribute, or a key of one of thunder's tables) and records, with the installer as owner,
+the slot, its kind (``dtensor``: needed for DTensor programs; ``thunder-fix``: a fix to thunder that is not
+about DTensors; ``speedup``: interpreter speed-ups), a one-line reason, and what was there before. Each patch
+states what it expects to replace (:func:`expects_function`, :func:`expects_absent`, ...): when thunder or
+torch changed that slot, installing fails loudly here, naming the slot, instead of patching something else
+silently.
+
+An installer runs once per process (its qualified name is its key; a second call returns at once); ``thunder-fix`` and
+``speedup`` installers do nothing when their environment switch is ``0`` (:data:`PATCH_SWITCHES`).
+:func:`installed` lists what is patched; :func:`undo` puts an installer's slots back (tests, and a failed
+installer's partial work).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+import os
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+#: the kinds of patches; docs/architecture.md lists the non-``dtensor`` ones with their plain-thunder reproducers
+PATCH_KINDS = ("dtensor", "thunder-fix", "speedup")
+
+#: the patches to thunder that are not about DTensors, by kind, and the environment variable that turns a kind
+#: off ("0"); docs/architecture.md, "Thunder fixes that are not about DTensors", lists each with its reproducer
+PATCH_SWITCHES = {"thunder-fix": "THUNDER_DTENSOR_THUNDER_FIXES", "speedup": "THUNDER_DTENSOR_SPEEDUPS"}
+
+
+def patch_kind_enabled(kind: str) -> bool:
+    """Whether the patches of ``kind`` are installed in this process (``dtensor`` ones always are)."""
+    switch = PATCH_SWITCHES.get(kind)
+    return switch is None or os.environ.get(switch, "1") != "0"
+
+
+#: names of thunder's tables that patches replace entries of (``patch(..., table=...)``)
+JIT_LOOKASIDES = "thunder.core.jit_ext._general_jit_lookaside_map"
+INTERPRETER_LOOKASIDES = "thunder.core.interpreter._default_lookaside_map"
+OPCODE_HANDLERS = "thunder.core.interpreter._default_opcode_handler_map"
+GRAD_RULES = "thunder.core.transforms._grad_fn_map"
+BACKWARD_IMPLS = "thunder.core.transforms.backward_impls"
+
+
+class IntegrationError(RuntimeError):
+    """thunder or torch is not laid out as this package expects: update ``thunder_dtensor/_integration``."""
+
+
+_ABSENT = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One replaced slot."""
+
+    owner: str  # the installer
+    kind: str
+    reason: str
+    target: Any  # the module, class or table holding the slot
+    slot: Any  # an attribute name, or a table key
+    in_table: bool
+    table_name: str  # the table's name, for listings ("" for attributes)
+    frozen: bool  # set with object.__setattr__ (a frozen dataclass's field: a thunder Symbol's meta)
+    original: Any  # what was there (``_ABSENT``: nothing)
+    replacement: Any
+
+    @property
+    def where(self) -> str:
+        holder = self.table_name or _qualified_name(self.target)
+        slot = self.slot if isinstance(self.slot, str) else None
+        slot = (
+            slot or getattr(self.slot, "__qualname__", None) or getattr(self.slot, "__name__", None) or repr(self.slot)
+        )
+        return f"{holder}[{slot}]" if self.in_table else f"{holder}.{slot}"
+
+    def __str__(self) -> str:
+        return f"{self.where} ({self.kind}, {self.owner}): {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Installer:
+    name: str
+    kind: str
+    reason: str
+
+
+_PATCHES: list[Patch] = []
+_DONE: dict[str, _Installer] = {}  # installers that ran to the end, by name
+_CURRENT: contextvars.ContextVar[_Installer | None] = contextvars.ContextVar("thunder_dtensor_installer", default=None)
+
+
+def installer(kind: str, reason: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Make ``fn`` an installer of patches of ``kind``: it runs once per process (keyed by its name), not at
+    all when its kind is switched off, and a failure undoes what it had patched."""
+    if kind not in PATCH_KINDS:
+        raise ValueError(f"unknown patch kind {kind!r}")
+
+    def decorate(fn: Callable[..., None]) -> Callable[..., None]:
+        name = f"{fn.__module__}.{fn.__qualname__}".removeprefix("thunder_dtensor.").removeprefix("_integration.")
+        record = _Installer(name, kind, reason)
+
+        @functools.wraps(fn)
+        def install(*args: Any, **kwargs: Any) -> None:
+            if record.name in _DONE or not patch_kind_enabled(kind):
+                return
+            token = _CURRENT.set(record)
+            try:
+                fn(*args, **kwargs)
+            except BaseException:
+                undo(record.name)
+                raise
+            finally:
+                _CURRENT.reset(token)
+            _DONE[record.name] = record
+
+        install.patch_kind = kind  # type: ignore[attr-defined]
+        return install
+
+    return decorate
+
+
+def patch(
+    target: Any,
+    slot: Any,
+    replacement: Any,
+    *,
+    expects: Callable[[Any], str | None],
+    reason: str | None = None,
+    kind: str | None = None,
+    table: str | None = None,
+    frozen: bool = False,
+) -> Any:
+    """Replace ``target.slot`` (``target[slot]`` when ``table`` names the mapping ``target``) by ``replacement``;
+    returns what was there.
+
+    ``expects(original)`` returns None when the slot holds what this patch was written against, else what it
+    expected (see the ``expects_*`` helpers): then :class:`IntegrationError` is raised and nothing is changed.
+    ``reason`` and ``kind`` default to the installer's; ``frozen``: the target is a frozen dataclass.
+    """
+    current = _CURRENT.get()
+    if current is None:
+        raise RuntimeError("patch() is called inside an @installer function only")
+    original = target.get(slot, _ABSENT) if table else getattr(target, slot, _ABSENT)
+    record = Patch(
+        current.name,
+        kind or current.kind,
+        reason or current.reason,
+        target,
+        slot,
+        table is not None,
+        table or "",
+        frozen,
+        original,
+        None,
+    )
+    problem = expects(original)
+    if problem is not None:
+        raise IntegrationError(
+            f"{record.where}: expected {problem}, found {_describe(original)}; thunder_dtensor's {current.name} was "
+            "written for lightning-thunder 0.2.6 and torch 2.13: update thunder_dtensor/_integration for this release"
+        )
+    _set(record, replacement)
+    _PATCHES.append(dataclasses.replace(record, replacement=replacement))
+    return None if original is _ABSENT else original
+
+
+def _set(p: Patch, value: Any) -> None:
+    if value is _ABSENT:
+        if p.in_table:
+            del p.target[p.slot]
+        else:
+            delattr(p.target, p.slot)
+    elif p.in_table:
+        p.target[p.slot] = value
+    elif p.frozen:
+        object.__setattr__(p.target, p.slot, value)
+    else:
+        setattr(p.target, p.slot, value)
+
+
+def installed(kind: str | None = None) -> list[Patch]:
+    """The patches in place, in installation order (of ``kind`` only, when given)."""
+    return [p for p in _PATCHES if kind is None or p.kind == kind]
+
+
+def installers() -> dict[str, str]:
+    """The installers that ran, by name, with their kind."""
+    return {name: record.kind for name, record in _DONE.items()}
+
+
+def undo(owner: str) -> None:
+    """Put back every slot ``owner`` patched (in reverse order), so that calling it again installs afresh."""
+    for p in reversed([p for p in _PATCHES if p.owner == owner]):
+        current = p.target.get(p.slot, _ABSENT) if p.in_table else getattr(p.target, p.slot, _ABSENT)
+        if current is not p.replacement:
+            raise IntegrationError(f"{p.where} was replaced again after {owner} patched it: it cannot be undone")
+        _set(p, p.original)
+        _PATCHES.remove(p)
+    _DONE.pop(owner, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a slot is expected to hold (each returns None when it does, else a description of what was expected)
+# ---------------------------------------------------------------------------------------------------------
+def _qualified_name(target: Any) -> str:
+    if isinstance(target, types.ModuleType):
+        return target.__name__
+    if hasattr(target, "__qualname__"):
+        return f"{target.__module__}.{target.__qualname__}"
+    return f"{type(target).__module__}.{getattr(target, 'name', type(target).__name__)}"  # a thunder Symbol
+
+
+def _describe(x: Any) -> str:
+    if x is _ABSENT:
+        return "nothing"
+    if callable(x):
+        try:
+            return f"{getattr(x, '__module__', '?')}.{getattr(x, '__qualname__', repr(x))}{inspect.signature(x)}"
+        except (TypeError, ValueError):
+            return repr(x)
+    return repr(x)[:120]
+
+
+def _parameters(fn: Any) -> tuple[str, ...] | None:
+    """The parameter names of ``fn``; None when unknown or when it takes ``*args`` first (a generic wrapper)."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if parameters and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL:
+        return None
+    return tuple(p.name for p in parameters)
+
+
+def expects_function(module: str | tuple[str, ...], *parameters: str) -> Callable[[Any], str | None]:
+    """A function (or callable object) defined in ``module`` or a submodule of it (or of one of several) whose
+    parameters begin with ``parameters``: the function this patch wraps, as the release it was written for has
+    it (a wrapper taking ``*args`` first passes the parameter check)."""
+    modules = (module,) if isinstance(module, str) else module
+
+    def check(original: Any) -> str | None:
+        wanted = f"a function of {' or '.join(modules)} taking ({', '.join(parameters)}, ...)"
+        if original is _ABSENT or not callable(original):
+            return wanted
+        where = str(getattr(original, "__module__", None) or getattr(type(original), "__module__", ""))
+        if not any(where == m or where.startswith(m + ".") for m in modules):
+            return wanted
+        names = _parameters(original)
+        if names is not None and names[: len(parameters)] != parameters:
+            return wanted
+        return None
+
+    return check
+
+
+def expects_absent(original: Any) -> str | None:
+    """Nothing is there yet (a new entry of one of thunder's tables)."""
+    return None if original is _ABSENT else "no entry"
+
+
+def expects_absent_or(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """Nothing yet, or what ``check`` accepts (an entry thunder may or may not have made)."""
+    return lambda original: None if original is _ABSENT else check(original)
+
+
+def expects_instance(*classes: type) -> Callable[[Any], str | None]:
+    """An instance of one of ``types``."""
+    names = " or ".join(t.__name__ for t in classes)
+    return lambda original: None if isinstance(original, classes) else f"an instance of {names}"
+
+
+def expects_identical(expected: Any) -> Callable[[Any], str | None]:
+    """That very object (a slot whose content was read elsewhere first)."""
+    return lambda original: None if original is expected else _describe(expected)
+
+
+def expects_any(original: Any) -> str | None:
+    """Anything that is there (a slot thunder fills with values of no fixed layout)."""
+    return None if original is not _ABSENT else "an existing entry"
+
+
+def slots_of(patches: Iterable[Patch]) -> list[str]:
+    """``where`` of each patch (for listings and tests)."""
+    return [p.where for p in patches]

@@ -1,0 +1,459 @@
+"""Interpreter speed-ups (kind ``speedup``; ``THUNDER_DTENSOR_SPEEDUPS=0`` turns them off): module calls,
+partials and thunder's own helpers run outside the interpreter, signatures read once."""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import functools
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from thunder_dtensor._integration.registry import (
+    INTERPRETER_LOOKASIDES,
+    JIT_LOOKASIDES,
+    OPCODE_HANDLERS,
+    expects_absent,
+    expects_function,
+    expects_identical,
+    installer,
+    patch,
+)
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Module calls (torch 2.13 ``nn.Module._call_impl`` layout, thunder 0.2.6 interpreter): first-call time
+# ---------------------------------------------------------------------------------------------------------
+def _read_through_interpreter(obj: Any, name: str) -> Any:
+    """``obj.name`` read by the interpreter (``obj`` wrapped), so the prologue checks what was read."""
+    from thunder.core import interpreter
+
+    return interpreter._interpret_call(getattr, obj, interpreter.wrap_const(name))
+
+
+def _module_hook_state_is_plain(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs only its own forward pre-hooks and forward hooks (with or without kwargs),
+    none always-called, no backward hooks, no global hooks, no ``torch.jit`` tracing and no ``module.compile()``:
+    the calls :func:`dispatch_module_calls_outside_the_interpreter` makes itself. Anything else is interpreted."""
+    from torch.nn.modules import module as module_mod
+
+    return (
+        not torch._C._get_tracing_state()
+        and module._compiled_call_impl is None
+        and type(module)._call_impl is torch.nn.Module._call_impl
+        and "_call_impl" not in module.__dict__
+        and not (module._backward_hooks or module._backward_pre_hooks)
+        and not module._forward_hooks_always_called
+        and not (module_mod._global_backward_pre_hooks or module_mod._global_backward_hooks)
+        and not (module_mod._global_forward_pre_hooks or module_mod._global_forward_hooks)
+    )
+
+
+@installer("speedup", "module calls run their hook loop in Python; hooks and forward are interpreted")
+def dispatch_module_calls_outside_the_interpreter() -> None:
+    """``module(*args)`` under ``thunder.jit``: the hook loop runs in Python; hooks and ``forward`` are interpreted.
+
+    thunder interprets ``nn.Module._wrapped_call_impl`` / ``_call_impl`` bytecode by bytecode for every module
+    call. With hooks (every tensor-parallel module has two) that is the slow path's closure, dict unpacking and
+    loops: most of a TP model's first-call time. This lookaside does what that code does for the common case
+    (:func:`_module_hook_state_is_plain`): each forward pre-hook ``hook(module, args)`` (a non-None result
+    replaces ``args``, a non-tuple one as ``(result,)``) or, registered with kwargs, ``hook(module, args,
+    kwargs)`` (a non-None result is the new ``(args, kwargs)``), ``module.forward(*args, **kwargs)``, each
+    forward hook ``hook(module, args, output)`` or ``hook(module, args, kwargs, output)`` (a non-None result
+    replaces the output). The hooks and ``forward`` are read
+    through the interpreter, from the module's hook dicts by hook id, so the prologue still checks what they read
+    (e.g. a tensor-parallel hook's ``use_local_output``). Other cases interpret a copy of torch's function.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    call_impl = torch.nn.Module._wrapped_call_impl
+    interpreted_call_impl = _interpretable_copy(call_impl)
+    wrap_const, unwrap = interpreter.wrap_const, interpreter.unwrap
+    raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+
+    def hook_by_id(hooks: Any, hook_id: int) -> Any:
+        return interpreter._interpret_call(lambda d, k: d[k], hooks, wrap_const(hook_id))
+
+    def call_star(fn: Any, args: Any, kwargs: Any) -> Any:
+        return interpreter._interpret_call(lambda f, a, k: f(*a, **k), fn, args, kwargs)
+
+    def module_call(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _module_hook_state_is_plain(unwrap(module)):
+            return interpreter._interpret_call(interpreted_call_impl, module, *args, **kwargs)
+        forward = _read_through_interpreter(module, "forward")
+        if forward is raised:
+            return forward
+        user_module = unwrap(module)
+        if not (user_module._forward_pre_hooks or user_module._forward_hooks):
+            return interpreter._interpret_call(forward, *args, **kwargs)
+        wrapped_args = interpreter.wrap_args(args)
+        wrapped_kwargs = interpreter.wrap_kwargs(kwargs)
+        if user_module._forward_pre_hooks:
+            hooks = _read_through_interpreter(module, "_forward_pre_hooks")
+            for hook_id in list(unwrap(hooks)):
+                hook = hook_by_id(hooks, hook_id)
+                if hook_id in user_module._forward_pre_hooks_with_kwargs:
+                    result = interpreter._interpret_call(hook, module, wrapped_args, wrapped_kwargs)
+                    if result is raised:
+                        return result
+                    if unwrap(result) is None:
+                        continue
+                    if not (isinstance(unwrap(result), tuple) and len(unwrap(result)) == 2):
+                        return interpreter.do_raise(
+                            RuntimeError(
+                                "forward pre-hook must return None or a tuple of (new_args, new_kwargs), "
+                                f"but got {unwrap(result)}."
+                            )
+                        )
+                    interpreter.populate_item_wrappers(result)
+                    wrapped_args, wrapped_kwargs = result.item_wrappers
+                    continue
+                result = interpreter._interpret_call(hook, module, wrapped_args)
+                if result is raised:
+                    return result
+                if unwrap(result) is not None:
+                    if not isinstance(unwrap(result), tuple):
+                        result = interpreter.wrap_args((result,))
+                    wrapped_args = result
+        output = call_star(forward, wrapped_args, wrapped_kwargs)
+        if output is raised or not user_module._forward_hooks:
+            return output
+        hooks = _read_through_interpreter(module, "_forward_hooks")
+        for hook_id in list(unwrap(hooks)):
+            hook = hook_by_id(hooks, hook_id)
+            if hook_id in user_module._forward_hooks_with_kwargs:
+                result = interpreter._interpret_call(hook, module, wrapped_args, wrapped_kwargs, output)
+            else:
+                result = interpreter._interpret_call(hook, module, wrapped_args, output)
+            if result is raised:
+                return result
+            if unwrap(result) is not None:
+                output = result
+        return output
+
+    patch(lookasides, call_impl, module_call, table=JIT_LOOKASIDES, expects=expects_absent)
+
+
+def tensor_parallel_style_functions() -> dict[str, Callable]:
+    """torch's tensor-parallel style functions that its module hooks call, by ``Class.function`` (torch 2.13)."""
+    from torch.distributed.tensor.parallel import style
+
+    names = {
+        "ColwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),
+        "RowwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),
+        "SequenceParallel": ("_prepare_input_fn", "_prepare_output_fn"),
+        "PrepareModuleInput": ("_prepare_input_fn", "_prepare_input_arg"),
+        "PrepareModuleOutput": ("_prepare_out_fn",),
+    }
+    # staticmethods come out of the class dict as plain functions; methods are plain functions there already
+    return {f"{cls}.{fn}": getattr(getattr(style, cls), fn) for cls, fns in names.items() for fn in fns}
+
+
+def _interpretable_copy(fn: types.FunctionType) -> types.FunctionType:
+    """The same function under another identity: interpreting it interprets ``fn``'s code, which a lookaside on
+    ``fn`` itself would prevent."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def register_lookaside(
+    fn: Callable,
+    lookaside: Callable,
+    *,
+    applies: Callable[..., bool] | None = None,
+    self_attributes: tuple[str, ...] = (),
+) -> None:
+    """Calls of ``fn`` in jitted code run ``lookaside`` whole, on unwrapped values (proxies), instead.
+
+    ``applies`` (given the same unwrapped arguments) can decline a call: ``fn``'s own code is interpreted then.
+    Called inside an installer (it patches thunder's lookaside table).
+    ``self_attributes``: ``fn`` is a method whose object can change between calls (a style object a user
+    edits); the lookaside gets, in place of that object, a namespace of these attributes read through the
+    interpreter, so the prologue checks them as it would had ``fn`` been interpreted.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    wrapped = jit_ext.interpreter_needs_wrap(lookaside)
+    interpreted = _interpretable_copy(fn)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if applies is not None:
+            unwrapped = {k: interpreter.unwrap(v) for k, v in kwargs.items()}
+            if not applies(*(interpreter.unwrap(a) for a in args), **unwrapped):
+                return interpreter._interpret_call(interpreted, *args, **kwargs)
+        if self_attributes:
+            attributes = {}
+            for name in self_attributes:
+                value = _read_through_interpreter(args[0], name)
+                if value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
+                    return value
+                attributes[name] = interpreter.unwrap(value)
+            args = (interpreter.wrap_const(types.SimpleNamespace(**attributes)), *args[1:])
+        return wrapped(*args, **kwargs)
+
+    lookaside_of_fn = wrapped if applies is None and not self_attributes else run
+    patch(jit_ext._general_jit_lookaside_map, fn, lookaside_of_fn, table=JIT_LOOKASIDES, expects=expects_absent)
+
+
+@installer("speedup", "functools.partial objects are called without interpreting thunder's helper for them")
+def call_partials_outside_the_interpreter() -> None:
+    """``functools.partial`` objects are called without interpreting thunder's own helper for them.
+
+    thunder 0.2.6 calls a partial by interpreting ``p.func(*p.args, *args, **(p.keywords | kwargs))``: list
+    building, unpacking and a dict merge, each stepped through by the interpreter (hundreds of instructions a
+    call). Every hook ``parallelize_module`` installs calls a partial. This reads ``func`` and ``args`` through
+    the interpreter (so the prologue checks the bound arguments as before) and makes the call directly; a
+    partial with keywords goes the old way.
+    """
+    import functools
+
+    from thunder.core import interpreter
+
+    lookasides = interpreter._default_lookaside_map
+    thunder_partial_call = lookasides[functools.partial.__call__]
+
+    def partial_call(partial: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(interpreter.unwrap(partial)) is not functools.partial or interpreter.unwrap(partial).keywords:
+            return thunder_partial_call(partial, *args, **kwargs)
+        func = _read_through_interpreter(partial, "func")
+        bound = _read_through_interpreter(partial, "args")
+        if interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED in (func, bound):
+            return interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+        interpreter.populate_item_wrappers(bound)
+        return interpreter._interpret_call(func, *bound.item_wrappers, *args, **kwargs)
+
+    expects = expects_function("thunder.core.interpreter", "partial_object")
+    patch(lookasides, functools.partial.__call__, partial_call, table=INTERPRETER_LOOKASIDES, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thunder's interpreted helpers (thunder 0.2.6 interpreter): first-call time
+# ---------------------------------------------------------------------------------------------------------
+#: the exact container types whose ``[]``, ``in`` and unpacking the interpreter dispatches directly
+_SUBSCRIPTED_CONTAINERS = (dict, list, tuple)
+_SEARCHED_CONTAINERS = (dict, list, tuple, set, frozenset, str)
+_UNPACKED_SEQUENCES = (list, tuple)
+#: whether the direct paths are taken (:func:`thunders_own_interpreter_paths` turns them off)
+_DIRECT_PATHS = [True]
+
+
+def _module_computing_once(module: types.ModuleType, name: str, compute: Callable, key_type: type) -> types.ModuleType:
+    """``module``'s namespace as one of thunder's modules sees it, with ``name(x)`` computed once per ``x``
+    (``compute(x)``, LRU) for a hashable ``x`` of ``key_type`` passed alone; other calls run ``module.name``."""
+    original = getattr(module, name)
+    cached = functools.lru_cache(maxsize=4096)(compute)
+
+    def once(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(x, key_type):
+            return original(x, *args, **kwargs)
+        try:
+            hash(x)
+        except TypeError:
+            return original(x)
+        return cached(x)
+
+    view = types.ModuleType(module.__name__)
+    view.__dict__.update(module.__dict__)
+    setattr(view, name, once)
+    return view
+
+
+def _dis_disassembling_once_per_code() -> types.ModuleType:
+    """``dis`` as thunder's interpreter module sees it: a code object's instructions are computed once.
+
+    thunder 0.2.6 disassembles a function's code every time it interprets a call of it (``_run_frame``); the
+    instructions of a code object never change, and most calls are of a few dozen codes (its own helpers).
+    """
+    import dis
+
+    return _module_computing_once(
+        dis, "get_instructions", lambda code: tuple(dis.get_instructions(code)), types.CodeType
+    )
+
+
+@installer("speedup", "Symbol.bind reads each meta's signature once")
+def bind_symbols_with_cached_signatures() -> None:
+    """thunder's ``Symbol.bind`` reads its meta's ``inspect.signature`` anew for every bound symbol (about
+    10,000 times in a 4-block Llama's first call); a meta's signature does not change, so thunder's symbol
+    module sees an ``inspect`` whose ``signature`` is computed once per (hashable) callable."""
+    import inspect
+
+    from thunder.core import symbol
+
+    view = _module_computing_once(inspect, "signature", inspect.signature, object)
+    patch(symbol, "inspect", view, expects=expects_identical(inspect))
+
+
+@contextlib.contextmanager
+def thunders_own_interpreter_paths() -> Iterator[None]:
+    """Interpret as thunder does, through its helper frames (for comparing the two in tests)."""
+    _DIRECT_PATHS[0] = False
+    try:
+        yield
+    finally:
+        _DIRECT_PATHS[0] = True
+
+
+@installer("speedup", "the interpreter runs x[k], k in x, unpacking and name lookups without its helper frames")
+def run_interpreter_helpers_directly() -> None:
+    """Under ``thunder.jit``, do directly what thunder's interpreter does by interpreting helpers of its own.
+
+    thunder 0.2.6 runs many instructions by interpreting a small Python helper: ``x[k]`` interprets
+    ``getitem_impl`` (``obj.__getitem__(index)``); a global name ``lambda d, k: d[k]`` (two frames, three for a
+    builtin); ``k in x`` a helper that looks up ``hasattr`` / ``getattr`` as globals; unpacking ``a, b = t``
+    an iterator class of its own, one ``next`` at a time; a call of a bound method ``_impl(fn, *args,
+    **kwargs)`` (``fn.__func__(fn.__self__, ...)``, with a list and a dict merge, each a lambda frame). Each
+    frame is set up and disassembled anew. These helpers ran about 80,000 of the 86,000 instructions interpreted
+    in a 4-block Llama's first call.
+
+    For exact builtin containers, and for bound methods, the helper's work ends in calls this does directly
+    through the same dispatch (``_interpret_call``), on the same wrapped values: the container type's own
+    ``__getitem__`` / ``__contains__`` / ``update`` / ``extend`` (which the interpreter hands to its
+    provenance-tracking lookasides), the method's ``__func__`` with its ``__self__``. So values, provenance
+    and prologues are the ones thunder's helpers give. Other types, interpretation without provenance tracking
+    and a recorded interpreter history take thunder's path. Each code object is also disassembled once
+    (:func:`_dis_disassembling_once_per_code`).
+    """
+    import inspect
+
+    from thunder.core import interpreter
+
+    handlers = interpreter._default_opcode_handler_map
+    raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+    wrap_const, unwrap = interpreter.wrap_const, interpreter.unwrap
+    thunder_subscript = handlers["BINARY_SUBSCR"]
+    thunder_contains = handlers["CONTAINS_OP"]
+    thunder_unpack = handlers["UNPACK_SEQUENCE"]
+    thunder_globals_lookup = interpreter.globals_lookup
+    thunder_call_dispatch = interpreter._call_dispatch
+    thunder_dict_merge = handlers["DICT_MERGE"]
+    thunder_list_extend = handlers["LIST_EXTEND"]
+
+    def direct() -> bool:
+        runtime = interpreter.get_interpreterruntimectx()
+        return (
+            _DIRECT_PATHS[0]
+            and interpreter.get_interpretercompilectx()._with_provenance_tracking
+            and not runtime._record_history
+            and runtime.debug_log is None
+        )
+
+    def call_method(method: Callable, container: Any, *args: Any) -> Any:
+        return interpreter._interpret_call(wrap_const(method), container, *args)
+
+    def getitem(container: Any, key: Any) -> Any:
+        """``container[key]`` (``key`` wrapped) as thunder's ``getitem_impl`` ends: the type's own ``__getitem__``."""
+        return call_method(type(container.value).__getitem__, container, key)
+
+    def top_is(stack: Any, depth: int, types_: tuple) -> bool:
+        return len(stack) >= depth and type(unwrap(stack.getitem_wrapped(-depth))) in types_
+
+    def subscript(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        if not (top_is(stack, 2, _SUBSCRIPTED_CONTAINERS) and direct()):
+            return thunder_subscript(inst, stack=stack, **kwargs)
+        key = stack.pop_wrapped()
+        container = stack.pop_wrapped()
+        value = getitem(container, key)
+        if value is raised:
+            return value
+        return interpreter.check_and_append(stack, value)
+
+    def contains(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        if not (top_is(stack, 1, _SEARCHED_CONTAINERS) and direct()):
+            return thunder_contains(inst, stack=stack, **kwargs)
+        container = stack.pop_wrapped()
+        candidate = stack.pop_wrapped()
+        found = call_method(type(container.value).__contains__, container, candidate)
+        if found is not raised and inst.arg == 1:  # ``not in``, negated as thunder's handler does
+            found = interpreter._interpret_call(lambda result: not result, found)
+        if found is raised:
+            return found
+        stack.append(found)
+        return None
+
+    def unpack(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        if not (top_is(stack, 1, _UNPACKED_SEQUENCES) and direct()):
+            return thunder_unpack(inst, stack=stack, **kwargs)
+        sequence = stack.pop_wrapped()
+        count, length = inst.arg, len(sequence.value)
+        if length < count:
+            return interpreter.do_raise(ValueError(f"not enough values to unpack (expected {count}, got {length})"))
+        if length > count:
+            return interpreter.do_raise(ValueError(f"too many values to unpack (expected {count})"))
+        values = [getitem(sequence, wrap_const(i)) for i in range(count)]
+        if raised in values:
+            return raised
+        for value in reversed(values):
+            stack.append(value)
+        return None
+
+    def dict_merge(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        """``f(**mapping)``'s merge into the call's keyword dict (``b.update(a)`` in thunder's helper)."""
+        if not (top_is(stack, 1, (dict,)) and top_is(stack, 2, (dict,)) and direct()):
+            return thunder_dict_merge(inst, stack=stack, **kwargs)
+        mapping, target = stack.getitem_wrapped(-1), stack.getitem_wrapped(-2)
+        if target.value.keys() & mapping.value.keys():  # thunder's handler raises the duplicate-keyword error
+            return thunder_dict_merge(inst, stack=stack, **kwargs)
+        stack.pop_wrapped()
+        merged = call_method(dict.update, target, mapping)
+        return merged if merged is raised else None
+
+    def list_extend(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
+        """``[*a]`` / ``f(*a)``'s extension of the list being built (``l1.extend(l2)`` in thunder's helper)."""
+        if not (top_is(stack, 1, _UNPACKED_SEQUENCES) and top_is(stack, 1 + inst.arg, (list,)) and direct()):
+            return thunder_list_extend(inst, stack=stack, **kwargs)
+        extension = stack.pop_wrapped()
+        extended = call_method(list.extend, stack.getitem_wrapped(-inst.arg), extension)
+        return extended if extended is raised else None
+
+    def globals_lookup(globals_dict: Any, name: Any) -> Any:
+        if not (isinstance(globals_dict, interpreter.WrappedValue) and type(globals_dict.value) is dict and direct()):
+            return thunder_globals_lookup(globals_dict, name)
+        plain_name = unwrap(name)
+        if plain_name in globals_dict.value:
+            return getitem(globals_dict, name)
+        builtins = globals_dict.value.get("__builtins__")
+        if not (isinstance(builtins, types.ModuleType) or type(builtins) is dict):
+            return thunder_globals_lookup(globals_dict, name)
+        builtins = getitem(globals_dict, wrap_const("__builtins__"))
+        if isinstance(builtins.value, types.ModuleType):
+            value = interpreter._interpret_call(getattr, builtins, name)
+        elif plain_name in builtins.value:
+            value = getitem(builtins, name)
+        else:
+            value = raised
+        if value is raised:
+            return interpreter.do_raise(NameError(f"name '{plain_name}' is not defined"))
+        return value
+
+    def call_dispatch(compilectx: Any, runtimectx: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        method = unwrap(fn)
+        if not (inspect.ismethod(method) and not hasattr(method, "__thunder_interpreter_orig_fn") and direct()):
+            return thunder_call_dispatch(compilectx, runtimectx, fn, *args, **kwargs)
+        wrapped = fn if isinstance(fn, interpreter.WrappedValue) else wrap_const(fn)
+        func = _read_through_interpreter(wrapped, "__func__")
+        if func is raised:
+            return func
+        receiver = _read_through_interpreter(wrapped, "__self__")
+        if receiver is raised:
+            return receiver
+        return interpreter._interpret_call(func, receiver, *args, **kwargs)
+
+    module = "thunder.core.interpreter"
+    opcode_handler = expects_function(module, "inst")
+    for opcode, handler in (
+        ("BINARY_SUBSCR", subscript),
+        ("CONTAINS_OP", contains),
+        ("UNPACK_SEQUENCE", unpack),
+        ("DICT_MERGE", dict_merge),
+        ("LIST_EXTEND", list_extend),
+    ):
+        patch(handlers, opcode, handler, table=OPCODE_HANDLERS, expects=opcode_handler)
+    patch(interpreter, "globals_lookup", globals_lookup, expects=expects_function(module, "globals_dict", "name"))
+    patch(interpreter, "_call_dispatch", call_dispatch, expects=expects_function(module, "compilectx", "runtimectx"))
+    patch(interpreter, "dis", _dis_disassembling_once_per_code(), expects=expects_identical(dis))

@@ -1,0 +1,339 @@
+"""Fixes to thunder that are not about DTensors (kind ``thunder-fix``; ``THUNDER_DTENSOR_THUNDER_FIXES=0``
+turns them off): complex gradients, ``sdpa_kernel`` in jitted code, autocast scoped to each call."""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------------------------------
+# Complex autograd (thunder 0.2.6 layout; installed by ``fix_complex_gradients``)
+#
+# torch differentiates complex functions with the conjugate Wirtinger convention: for a holomorphic ``f``
+# the vector-Jacobian product is ``g * conj(f'(z))`` (``grad_a = g * b.conj()`` for ``a * b``). thunder
+# 0.2.6's grad rules use ``g * f'(z)``, right for real tensors only, so every complex program gets wrong
+# gradients: RoPE written with ``view_as_complex(x) * freqs_cis`` (torchtitan's Llama 3), complex ``exp``,
+# ``matmul``... ``prims.real`` / ``prims.imag`` have no grad rule at all. Checked on thunder 0.2.6; the newest
+# upstream source we could read (commit 47627ed) has the same rules, so every release this package supports
+# (0.2.x) gets the fix. The replacement rules below are used only when an operand is
+# complex; programs on real tensors keep thunder's rules and traces exactly.
+# ---------------------------------------------------------------------------------------------------------
+import cmath  # noqa: E402
+import functools
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from thunder_dtensor._integration.bootstrap import (
+    Symbol,
+    TensorProxy,
+    dtypes,
+    get_grad,
+    ltorch,
+    prims,
+    put_grad,
+    put_grads,
+    pyval,
+    thunder,
+)
+from thunder_dtensor._integration.registry import (
+    BACKWARD_IMPLS,
+    GRAD_RULES,
+    JIT_LOOKASIDES,
+    expects_absent,
+    expects_any,
+    expects_function,
+    installer,
+    patch,
+)
+
+import torch
+from thunder.core.proxies import ComplexProxy  # noqa: E402
+
+
+def _is_complex(x: Any) -> bool:
+    if isinstance(x, TensorProxy):
+        return dtypes.is_complex_dtype(x.dtype)
+    return isinstance(x, (complex, ComplexProxy))
+
+
+def _conj(x: Any) -> Any:
+    """``x.conj()`` for tensors (a materialised copy, via torch's ``conj_physical``) and numbers; real ``x`` as is."""
+    if not _is_complex(x):
+        return x
+    if isinstance(x, TensorProxy):
+        conj_physical = ltorch._torch_to_thunder_function_map[torch.conj_physical]
+        # this package routes the map entry through a DTensor dispatcher: call thunder's own symbol behind it
+        return getattr(conj_physical, "single_device_symbol", conj_physical)(x)
+    return pyval(x).conjugate()
+
+
+def _log(x: Any) -> Any:
+    """``log`` of a tensor or of a (complex) number: thunder's number ``log`` takes real numbers only."""
+    return ltorch.log(x) if isinstance(x, TensorProxy) else cmath.log(pyval(x))
+
+
+def _holomorphic_grad_rule(prim: Symbol, vjps: tuple[Callable, ...], real_rule: Callable) -> Callable:
+    """A grad rule for the elementwise ``prim`` with torch's complex convention; ``real_rule`` for real operands.
+
+    ``vjps[i](g, *conj_args, conj_out)`` is the real-valued rule's vjp for operand ``i`` (``g * f_i'``), but
+    given the conjugated operands and output. For the functions below (real Taylor coefficients)
+    ``f'(conj z) == conj(f'(z))``, so that is exactly ``g * conj(f_i'(z))``.
+    """
+
+    def rule(*args: Any) -> Any:
+        if not any(_is_complex(a) for a in args):
+            return real_rule(*args)
+        out = prim(*args)
+        g = get_grad(out)
+        conj_args, conj_out = tuple(_conj(a) for a in args), _conj(out)
+        for arg, vjp in zip(args, vjps):
+            if isinstance(arg, TensorProxy):
+                put_grad(arg, vjp(g, *conj_args, conj_out))
+        return out
+
+    return rule
+
+
+def _sum_to_rank(t: TensorProxy, ndim: int) -> TensorProxy:
+    """``t`` summed over its leading dims down to ``ndim`` dims (the batch dims an operand was broadcast over)."""
+    extra = t.ndim - ndim
+    return ltorch.sum(t, tuple(range(extra))) if extra > 0 else t
+
+
+def _complex_matmul_grad(a: TensorProxy, b: TensorProxy, /) -> TensorProxy:
+    """``prims.matmul`` on complex operands: ``grad_a = g @ b^H``, ``grad_b = a^H @ g``, 1-D operands as matrices."""
+    out = prims.matmul(a, b)
+    g = get_grad(out)
+    a2 = ltorch.unsqueeze(a, 0) if a.ndim == 1 else a
+    b2 = ltorch.unsqueeze(b, -1) if b.ndim == 1 else b
+    g2 = ltorch.unsqueeze(g, -1) if b.ndim == 1 else g
+    g2 = ltorch.unsqueeze(g2, -2) if a.ndim == 1 else g2
+    grad_a = _sum_to_rank(ltorch.matmul(g2, _conj(b2).mT), a2.ndim)
+    grad_b = _sum_to_rank(ltorch.matmul(_conj(a2).mT, g2), b2.ndim)
+    put_grads((a, b), (ltorch.reshape(grad_a, a.shape), ltorch.reshape(grad_b, b.shape)))
+    return out
+
+
+def _complex_linear_grad(a: TensorProxy, w: TensorProxy, bias: None | TensorProxy) -> TensorProxy:
+    """``prims.linear`` on complex operands: ``grad_a = g @ conj(w)``, ``grad_w = g^T @ conj(a)``, bias: ``sum g``."""
+    out = prims.linear(a, w, bias)
+    g = get_grad(out)
+    g2 = ltorch.reshape(g, (-1, w.shape[0]))
+    a2 = ltorch.reshape(a, (-1, w.shape[1]))
+    put_grad(a, ltorch.reshape(ltorch.matmul(g2, _conj(w)), a.shape))
+    put_grad(w, ltorch.matmul(g2.mT, _conj(a2)))
+    if bias is not None:
+        put_grad(bias, ltorch.reshape(ltorch.sum(g2, (0,)), bias.shape))
+    return out
+
+
+def _complex_or_real_rule(complex_rule: Callable, real_rule: Callable) -> Callable:
+    """``complex_rule`` when a tensor operand is complex, else thunder's ``real_rule``."""
+
+    def rule(*args: Any) -> Any:
+        return (complex_rule if any(_is_complex(a) for a in args) else real_rule)(*args)
+
+    return rule
+
+
+def _real_grad(a: TensorProxy) -> TensorProxy:
+    """``z.real``: the real cotangent becomes the real part of the complex gradient."""
+    out = prims.real(a)
+    put_grad(a, prims.convert_element_type(get_grad(out), a.dtype))
+    return out
+
+
+def _imag_grad(a: TensorProxy) -> TensorProxy:
+    """``z.imag``: the real cotangent ``g`` becomes the complex gradient ``1j * g``."""
+    out = prims.imag(a)
+    put_grad(a, prims.convert_element_type(get_grad(out), a.dtype) * 1j)
+    return out
+
+
+def _conjugating_backward(backward: Callable, complex_derivative: Callable | None = None) -> Callable:
+    """A ``backward_impls`` entry (``(*residuals, g) -> g * f'``) made ``g * conj(f')`` for a complex ``g``.
+
+    These entries are linear in ``g`` with real-coefficient derivatives, so ``conj(backward(..., conj(g)))``
+    is torch's vjp; ``complex_derivative(*residuals)`` replaces a formula that is right on reals only. A
+    real ``g`` keeps thunder's rule untouched.
+    """
+
+    def conjugating(*residuals_and_g: Any) -> Any:
+        *residuals, g = residuals_and_g
+        if not _is_complex(g):
+            return backward(*residuals, g)
+        if complex_derivative is not None:
+            return g * _conj(complex_derivative(*residuals))
+        return _conj(backward(*residuals, _conj(g)))
+
+    return conjugating
+
+
+#: elementwise prims with a rule in thunder's grad map -> the vjp of each operand, given (g, *conj args, conj out)
+_HOLOMORPHIC_VJPS: dict[str, tuple[Callable, ...]] = {
+    "MUL": (lambda g, a, b, out: g * b, lambda g, a, b, out: g * a),
+    "DIV": (lambda g, a, b, out: g / b, lambda g, a, b, out: -g * out / b),
+    "EXP": (lambda g, a, out: g * out,),
+    "LOG": (lambda g, a, out: g / a,),
+    "SIN": (lambda g, a, out: g * ltorch.cos(a),),
+    "COS": (lambda g, a, out: -g * ltorch.sin(a),),
+    "TANH": (lambda g, a, out: g * (1 - out * out),),
+    "RSQRT": (lambda g, a, out: -0.5 * g * out * out * out,),
+    "RECIPROCAL": (lambda g, a, out: -g * out * out,),
+    "POW": (lambda g, a, b, out: g * b * a ** (b - 1), lambda g, a, b, out: g * out * _log(a)),
+}
+#: unary prims whose vjp sits in thunder's ``backward_impls`` table and is holomorphic
+_HOLOMORPHIC_BACKWARD_IMPLS = (
+    "ACOS", "ASIN", "ASINH", "ATAN", "ATANH", "COSH", "SINH", "SQRT", "LOG10", "LOG1P", "LOG2", "EXP2",
+    "EXPM1",
+)  # fmt: skip
+#: ... and those whose thunder formula is right on reals only: the complex derivative (torch's, with its branch cuts)
+_COMPLEX_DERIVATIVES = {
+    # sqrt(z*z - 1) != sqrt(z + 1) * sqrt(z - 1) off the real line
+    "ACOSH": lambda z: ltorch.rsqrt(z + 1) * ltorch.rsqrt(z - 1),
+}
+
+
+@installer("thunder-fix", "thunder's gradients of complex tensors take torch's convention (the conjugate)")
+def fix_complex_gradients() -> None:
+    """Give thunder's autodiff torch's complex convention (see this section's header)."""
+    import thunder.core.transforms as transforms
+
+    grad_map = transforms._grad_fn_map
+    pids = prims.PrimIDs
+    rules: dict[Any, Callable] = {
+        getattr(pids, name): _holomorphic_grad_rule(getattr(prims, name.lower()), vjps, grad_map[getattr(pids, name)])
+        for name, vjps in _HOLOMORPHIC_VJPS.items()
+    }
+    rules[pids.MATMUL] = _complex_or_real_rule(_complex_matmul_grad, grad_map[pids.MATMUL])
+    rules[pids.LINEAR] = _complex_or_real_rule(_complex_linear_grad, grad_map[pids.LINEAR])
+    rules[pids.REAL], rules[pids.IMAG] = _real_grad, _imag_grad
+    for prim_id, rule in rules.items():
+        expects = expects_absent if prim_id in (pids.REAL, pids.IMAG) else expects_function("thunder")
+        patch(grad_map, prim_id, rule, table=GRAD_RULES, expects=expects)
+    for name in (*_HOLOMORPHIC_BACKWARD_IMPLS, *_COMPLEX_DERIVATIVES):
+        prim_id = getattr(pids, name)
+        backward = transforms.backward_impls[prim_id]
+        conjugating = _conjugating_backward(backward, _COMPLEX_DERIVATIVES.get(name))
+        patch(
+            transforms.backward_impls, prim_id, conjugating, table=BACKWARD_IMPLS, expects=expects_function("thunder")
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.nn.attention.sdpa_kernel inside thunder programs (thunder 0.2.6 interpreter; used by sdpa_backends.py)
+#
+# Private torch names used here: ``torch.nn.attention._sdpa_kernel`` / ``_sdpa_kernel_variadic`` /
+# ``_backend_from_string`` / ``_cur_sdpa_kernel_backends`` (torch 2.13: what ``sdpa_kernel`` and dynamo's
+# graphs call), ``torch._fused_sdp_choice`` (torch's SDPA kernel selector).
+# ---------------------------------------------------------------------------------------------------------
+def sdpa_backends_enabled_globally(with_priority: bool) -> tuple:
+    """The SDPA backends torch's global flags enable now (in priority order with ``with_priority``)."""
+    import torch.nn.attention as attention
+
+    return tuple(attention._cur_sdpa_kernel_backends(with_priority=with_priority))
+
+
+def fused_sdp_choice(*args: Any, **kwargs: Any) -> int:
+    """The SDPA kernel torch would pick for these (real) tensors under the flags in effect; raises if none can run."""
+    return torch._fused_sdp_choice(*args, **kwargs)
+
+
+def is_sdpa_kernel_fx_target(target: Any) -> bool:
+    """Whether a dynamo graph's call target is one of the calls dynamo records for an ``sdpa_kernel`` context."""
+    import torch.nn.attention as attention
+
+    return target is attention._sdpa_kernel or target is attention._backend_from_string
+
+
+@installer("thunder-fix", "sdpa_kernel(...) in jitted code runs at trace time only, with a feasibility check")
+def install_sdpa_kernel_support(*, context: type, set_backends: Callable, check_sdpa_call: Callable) -> None:
+    """Make thunder's interpreter run ``sdpa_kernel(...)`` (and dynamo's spelling of it) at trace time only.
+
+    thunder 0.2.6 steps into ``sdpa_kernel`` and fails on its ``dict.fromkeys``; and stepping in would set
+    torch's global flags while tracing, with nothing in the trace. Instead:
+
+    * ``sdpa_kernel(backends, set_priority)`` (and dynamo's ``_sdpa_kernel_variadic``) builds ``context``,
+      whose ``__enter__`` / ``__exit__`` run whole (record / restore the choice for the trace being built);
+    * ``_sdpa_kernel(backends, set_priority)``, what dynamo graphs call on entering and leaving the context,
+      runs ``set_backends`` whole; ``_backend_from_string`` (the graphs' spelling of a backend) runs whole;
+    * ``F.scaled_dot_product_attention`` first runs ``check_sdpa_call`` on its arguments, then what it ran
+      before (thunder's symbol or the DTensor dispatcher): install this after the op registrations.
+    """
+    import torch.nn.attention as attention
+    import torch.nn.functional as F
+    from thunder.core import interpreter, jit_ext
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    sdpa = F.scaled_dot_product_attention
+
+    def variadic(*backends: Any) -> Any:
+        return context(list(backends))
+
+    opaque = {
+        attention.sdpa_kernel: context,
+        attention._sdpa_kernel_variadic: variadic,
+        context.__enter__: context.__enter__,
+        context.__exit__: context.__exit__,
+        attention._sdpa_kernel: set_backends,
+        attention._backend_from_string: attention._backend_from_string,
+    }
+    for fn, impl in opaque.items():
+        patch(lookasides, fn, jit_ext.interpreter_needs_wrap(impl), table=JIT_LOOKASIDES, expects=expects_absent)
+
+    run_sdpa = lookasides[sdpa]
+    check = jit_ext.interpreter_needs_wrap(check_sdpa_call)
+
+    def checked_sdpa(*args: Any, **kwargs: Any) -> Any:
+        if check(*args, **kwargs) is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
+            return interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+        return run_sdpa(*args, **kwargs)
+
+    patch(lookasides, sdpa, checked_sdpa, table=JIT_LOOKASIDES, expects=expects_any)
+
+
+@installer("thunder-fix", "an autocast a jitted function is called under applies to that call only")
+def scope_ambient_autocast_to_each_call() -> None:
+    """An autocast a jitted function was called under applies to that call only.
+
+    thunder 0.2.6 pushes the caller's autocast onto the compile data's autocast stack at each call made under
+    it and never pops it, so a later call without autocast retraces (the cache key differs) but still casts,
+    on plain tensors and DTensors alike. Every push on that stack within a call is balanced except this one, so
+    the stack is emptied as each call starts: ``thunder._with_cache_info_ctx``, which wraps each jitted
+    function's ``get_computation_and_inputs`` when ``thunder.jit`` builds it, reaches the compile data through
+    that function's ``weakref_cd`` closure cell.
+    """
+    with_cache_info_ctx = thunder._with_cache_info_ctx
+
+    def scoped(fn: Callable) -> Callable:
+        wrapped = with_cache_info_ctx(fn)
+        names = fn.__code__.co_freevars
+        if "weakref_cd" not in names:  # not a jitted function's (thunderfx's splitter tests ops through it too)
+            return wrapped
+        weakref_cd = fn.__closure__[names.index("weakref_cd")].cell_contents
+
+        @functools.wraps(wrapped)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            cd = weakref_cd()
+            if cd is not None:
+                cd.autocast_stack.stack.clear()
+            return wrapped(*args, **kwargs)
+
+        return call
+
+    patch(thunder, "_with_cache_info_ctx", scoped, expects=_wraps_jitted_functions_with_compile_data)
+
+
+def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield const
+            yield from _nested_code(const)
+
+
+def _wraps_jitted_functions_with_compile_data(original: Any) -> str | None:
+    """thunder 0.2.6's ``_with_cache_info_ctx(fn)``, which ``thunder.jit`` applies to a function of its own that
+    holds the compile data as the closure cell ``weakref_cd``."""
+    wanted = expects_function("thunder", "fn")(original)
+    jit_closures = {code.co_name: code.co_freevars for code in _nested_code(thunder.jit.__code__)}
+    if wanted is None and "weakref_cd" in jit_closures.get("get_computation_and_inputs", ()):
+        return None
+    return "thunder's _with_cache_info_ctx(fn), applied by thunder.jit to get_computation_and_inputs (weakref_cd)"

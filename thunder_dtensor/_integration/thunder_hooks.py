@@ -1,0 +1,583 @@
+"""thunder's hooks and tables: torch functions, methods, lookasides, autodiff's DTensor hooks, the
+root module's state, in-place alias updates and the compiled-program hook (thunder 0.2.6 layout)."""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+from thunder_dtensor._integration.bootstrap import (
+    BoundSymbol,
+    DeviceMesh,
+    DTensor,
+    DTensorSpec,
+    NumberProxy,
+    OpTags,
+    Partial,
+    Proxy,
+    Replicate,
+    Shard,
+    Symbol,
+    TraceCtx,
+    check,
+    get_compile_data,
+    local_tensor,
+    ltorch,
+    prims,
+    pyval,
+    thunder,
+    tracectx,
+    tree_flatten,
+    variableify,
+)
+from thunder_dtensor._integration.registry import (
+    JIT_LOOKASIDES,
+    expects_absent,
+    expects_function,
+    expects_identical,
+    expects_instance,
+    installer,
+    patch,
+)
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hooks into thunder's core
+# ---------------------------------------------------------------------------------------------------------
+def register_torch_function(torch_fn: Callable, thunder_impl: Callable, *, method_name: str | None = None) -> None:
+    """Map ``torch_fn`` (and optionally a Tensor method) to ``thunder_impl`` for thunder's interpreter.
+
+    thunder copies its torch-to-thunder map into the interpreter's lookaside table when it is imported, so a
+    later registration has to update both.
+    """
+    from thunder.core import jit_ext
+    from thunder.torch.langctx import register_method
+
+    ltorch.register_function(torch_fn, thunder_impl)
+    lookaside = jit_ext.ensure_recursive_proxies(
+        jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(thunder_impl))
+    )
+    jit_ext._general_jit_lookaside_map[torch_fn] = lookaside
+    # Tensor methods on proxies resolve to thunder_impl itself: keep the interpreter out of its internals,
+    # as it keeps out of thunder's symbols.
+    jit_ext._general_jit_lookaside_map[thunder_impl] = lookaside
+    if method_name is not None:
+        register_method(method_name, thunder_impl)
+
+
+def _unwrapped(args: tuple, kwargs: dict) -> tuple:
+    """The values of the interpreter's wrapped arguments."""
+    return [getattr(a, "value", a) for a in args], {k: getattr(v, "value", v) for k, v in kwargs.items()}
+
+
+def _is_public_functional_name(name: str) -> bool:
+    """Not private (``_foreach_mul_``, ``_fused_adam_``) and not in place (``sigmoid_``): such calls keep
+    thunder's own handling, since a functional prim would drop their writes."""
+    return bool(name) and not name.startswith("_") and not name.endswith("_")
+
+
+def _has_executor_lookaside(fn: Any) -> bool:
+    """Whether an executor of this jit claims ``fn`` itself (thunder's own lookaside serves it then)."""
+    from thunder.core import jit_ext
+
+    ctx = jit_ext.get_jit_ctx()
+    return fn in ctx._executor_lookasides or fn in ctx.ad_hoc_executor._lookasides
+
+
+@installer("dtensor", "a torch function thunder has no symbol for, called on a DTensor, becomes a dtensor op")
+def route_unknown_torch_functions(
+    symbol_for: Callable[[Callable], Callable], is_dtensor: Callable[[Any], bool]
+) -> None:
+    """A public, functional torch function thunder has no symbol for, called on a DTensor, becomes ``symbol_for(fn)``.
+
+    thunder's ``jit_ext.general_jit_lookaside`` raises "not yet supported" for such an opaque torch function;
+    with a DTensor among its arguments it is routed (and mapped, so later calls take thunder's own path).
+    """
+    from thunder.core import jit_ext
+
+    original = jit_ext.general_jit_lookaside
+    known = jit_ext._general_jit_lookaside_map
+    mapped = ltorch._torch_to_thunder_function_map
+
+    def lookaside(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # cheapest tests first: the interpreter asks this for every call it makes
+        try:
+            unknown = fn not in known and fn not in mapped
+        except TypeError:  # unhashable
+            unknown = False
+        if (
+            unknown
+            and jit_ext.is_opaque(fn)
+            and str(getattr(fn, "__module__", None) or "").startswith("torch")
+            and _is_public_functional_name(getattr(fn, "__name__", ""))
+            and "out" not in kwargs
+            and not _has_executor_lookaside(fn)
+            and any(is_dtensor(v) for v in tree_flatten(_unwrapped(args, kwargs))[0])
+        ):
+            register_torch_function(fn, symbol_for(fn))
+            return jit_ext._general_jit_lookaside_map[fn]
+        return original(fn, *args, **kwargs)
+
+    patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects_function("thunder.core.jit_ext", "fn"))
+
+
+def register_method(method_name: str, thunder_impl: Callable) -> None:
+    """Put ``thunder_impl`` in thunder's Tensor-method table (``x.name(...)`` on proxies)."""
+    from thunder.core import jit_ext
+    from thunder.torch.langctx import register_method as thunder_register_method
+
+    thunder_register_method(method_name, thunder_impl)
+    jit_ext._general_jit_lookaside_map[thunder_impl] = jit_ext.ensure_recursive_proxies(
+        jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(thunder_impl))
+    )
+
+
+def torch_to_thunder_map() -> dict[Callable, Callable]:
+    return ltorch._torch_to_thunder_function_map
+
+
+def thunder_methods() -> dict[str, Callable]:
+    from thunder.torch.langctx import _method_name_to_fn_map
+
+    return dict(_method_name_to_fn_map)
+
+
+def thunder_method(name: str) -> Callable | None:
+    return thunder_methods().get(name)
+
+
+def accept_dtensor_proxies(symbol: Symbol) -> Symbol:
+    """A copy of a thunder torch symbol without its "plain TensorProxy only" guard.
+
+    For metadata queries (``dim``, ``numel``) whose logic only reads the global shape and dtype.
+    """
+    unguarded = getattr(symbol.meta, "__wrapped__", symbol.meta)
+    return ltorch.torchsymbol(id=f"thunder_dtensor.{symbol.name}", allow_tensor_subclass_proxy=True)(unguarded)
+
+
+class _ZerosBinder:
+    """``ltorch.zeros`` as thunder's autodiff uses it (``.bind``), with DTensor outputs sent elsewhere."""
+
+    def __init__(self, bind_dtensor_zeros: Callable) -> None:
+        self._bind_dtensor_zeros = bind_dtensor_zeros
+
+    def bind(self, *shape: Any, device: Any, dtype: Any, output: Any) -> BoundSymbol:
+        bsym = self._bind_dtensor_zeros(output)
+        return bsym if bsym is not None else ltorch.zeros.bind(*shape, device=device, dtype=dtype, output=output)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return ltorch.zeros(*args, **kwargs)
+
+
+class _AutodiffTorchNamespace(types.ModuleType):
+    """Stands in for ``thunder.torch`` inside thunder's autodiff so DTensor cotangents stay DTensors.
+
+    thunder's autodiff sums the cotangents of a value used several times with ``ltorch.add``, and makes
+    the zero cotangent of an intermediate with no gradient with ``ltorch.zeros``: both single-device.
+    Everything else is thunder.torch itself.
+    """
+
+    def __init__(self, add: Callable, bind_dtensor_zeros: Callable) -> None:
+        super().__init__("thunder.torch")
+        self.add = add
+        self.zeros = _ZerosBinder(bind_dtensor_zeros)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(ltorch, name)
+
+
+@installer("dtensor", "thunder's hooks for its experimental DTensor path call this package instead")
+def install_thunder_hooks(
+    *,
+    proxify: Callable,
+    is_dtensor_proxy: Callable,
+    spec_check_prim: Symbol,
+    prologue_spec_check: Callable,
+    backward_cotangent_check: Callable,
+    cotangent_add: Callable,
+    bind_dtensor_zeros: Callable,
+    joint_trace_check: Callable,
+) -> None:
+    """Point thunder's DTensor hooks at this package (thunder 0.2.6 layout)."""
+    import thunder.core.jit_ext as jit_ext
+    import thunder.torch.experimental.dtensor_proxy as thunder_dtensor_proxy
+    import thunder.torch.experimental.dtensor_utils as thunder_dtensor_utils
+    import thunder.transforms.autodiff as autodiff
+
+    experimental = "thunder.torch.experimental"
+    # thunder.core.proxies.proxy() imports this name at call time
+    patch(thunder_dtensor_proxy, "proxify_dtensor", proxify, expects=expects_function(experimental, "x"))
+    # jit_ext imported these names at module level: they are rebound there
+    patch(jit_ext, "is_dtensor_proxy", is_dtensor_proxy, expects=expects_function(experimental, "x"))
+    patch(jit_ext, "check_dtensor_spec_repr", spec_check_prim, expects=expects_instance(Symbol))
+    patch(
+        jit_ext,
+        "handle_check_dtensor_spec_in_prologue",
+        prologue_spec_check,
+        expects=expects_function(experimental, "prim", "prologue_trace", "args"),
+    )
+    # autodiff imports this at call time
+    patch(
+        thunder_dtensor_utils,
+        "check_dtensor_cotangent_metadata_in_backward",
+        backward_cotangent_check,
+        expects=expects_function(experimental, "bw_trace"),
+    )
+    patch(
+        autodiff,
+        "ltorch",
+        _AutodiffTorchNamespace(cotangent_add, bind_dtensor_zeros),
+        expects=expects_identical(ltorch),
+        reason="autodiff sums cotangents and makes zero cotangents of DTensors as DTensors",
+    )
+    # thunder.__init__ imports this at call time: the joint forward-backward trace passes through our check
+    grad_transform_on_trace = autodiff.grad_transform_on_trace
+
+    @functools.wraps(grad_transform_on_trace)
+    def checked_grad_transform_on_trace(trace: TraceCtx, *args: Any, **kwargs: Any) -> TraceCtx:
+        return joint_trace_check(grad_transform_on_trace(trace, *args, **kwargs))
+
+    patch(
+        autodiff,
+        "grad_transform_on_trace",
+        checked_grad_transform_on_trace,
+        expects=expects_function("thunder.transforms.autodiff", "trace"),
+        reason="the joint forward-backward trace gets the gradients' DTensor specs",
+    )
+
+
+@installer("dtensor", "a DTensor's cotangent proxy has the cotangent's spec (a Partial value's is a full value)")
+def set_cotangent_proxy_factory(make_cotangent: Callable) -> None:
+    """Make ``prims.get_grad`` (the cotangent of a value) build DTensor cotangents with ``make_cotangent``.
+
+    thunder's meta copies the value's proxy type and metadata; a Partial DTensor's cotangent, though, arrives
+    as a full value. ``make_cotangent(a)`` returns the proxy to use, or None for thunder's default.
+    """
+    default_meta = prims.get_grad.meta
+
+    def get_grad_meta(a: Any, /) -> Any:
+        cotangent = make_cotangent(a)
+        return default_meta(a) if cotangent is None else cotangent
+
+    patch(prims.get_grad, "meta", get_grad_meta, expects=expects_function("thunder.core.prims", "a"), frozen=True)
+
+
+def using_symbolic_values() -> bool:
+    """Whether the program is compiled with ``cache="symbolic values"`` (sizes and numbers as symbols)."""
+    from thunder.core.compile_data import using_symbolic_values as thunders
+
+    return thunders()
+
+
+def static_number(x: NumberProxy) -> Any:
+    """The value of a number a DTensor op's spec depends on, guarded by the prologue under symbolic values.
+
+    A DTensor spec is concrete: a trace made for one value of the number must not run for another, so the
+    number is constrained to its traced value (thunder then checks it in the prologue, as for a branch on it).
+    """
+    if using_symbolic_values() and not x.is_static_constrained():
+        check(
+            not x.is_dynamic(),
+            lambda: f"a DTensor op needs the value of {x.name}, which is dynamic under cache='symbolic values'",
+            exception_type=NotImplementedError,
+        )
+        x.make_static_constrained()
+    return pyval(x)
+
+
+_DTENSOR_PROGRAM_FLAG = "_thunder_dtensor_traced_dtensor_ops"
+
+
+def note_dtensor_op_traced() -> None:
+    """Record on the jitted function's compile data that its program has DTensor ops (see ``traced_dtensor_ops``)."""
+    cd = get_compile_data()
+    if cd is not None:
+        setattr(cd, _DTENSOR_PROGRAM_FLAG, True)
+
+
+def traced_dtensor_ops() -> bool:
+    """Whether a program of the jitted function being compiled had DTensor ops (then or in an earlier trace)."""
+    return bool(getattr(get_compile_data(), _DTENSOR_PROGRAM_FLAG, False))
+
+
+def is_check_tensor_shape_and_metadata(prim: Any) -> bool:
+    from thunder import clang
+
+    return prim is clang.check_tensor_shape_and_metadata
+
+
+def may_return_views(symbol: Any) -> bool:
+    """Whether thunder's alias pass treats ``symbol`` as returning views of its first argument."""
+    return symbol in ltorch._syms_returning_views or symbol in ltorch._syms_that_may_return_views
+
+
+def mark_may_return_views(symbol: Symbol) -> None:
+    """Make thunder's alias pass (``update_aliases``) treat ``symbol`` as one that may return a view."""
+    ltorch._syms_that_may_return_views.add(symbol)
+
+
+def make_spec(mesh: Any, placements: tuple, tensor_meta: Any) -> Any:
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta)
+
+
+@installer("dtensor", "isinstance(x, DTensor) is True for a DTensor's proxy in jitted code (TP hooks branch on it)")
+def make_isinstance_see_dtensor_proxies(proxy_type: type) -> None:
+    """Inside jitted code, ``isinstance(x, DTensor)`` is True for a DTensor's proxy.
+
+    Tensor-parallel hooks branch on it (``if not isinstance(x, DTensor): x = DTensor.from_local(...)``);
+    thunder's own isinstance lookaside answers as for a plain tensor.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    thunder_isinstance = jit_ext._general_jit_lookaside_map[isinstance]
+
+    def dtensor_aware_isinstance(obj: Any, cls: Any) -> Any:
+        value, classes = interpreter.unwrap(obj), interpreter.unwrap(cls)
+        if isinstance(value, proxy_type):
+            classes = tuple(interpreter.unwrap(c) for c in classes) if isinstance(classes, tuple) else (classes,)
+            if any(isinstance(c, type) and issubclass(DTensor, c) for c in classes):
+                record = interpreter.ProvenanceRecord(
+                    interpreter.PseudoInst.LOOKASIDE,
+                    inputs=[interpreter.wrap_const(isinstance).provenance, obj.provenance, cls.provenance],
+                )
+                return interpreter.wrap(True, provenance=record)
+        return thunder_isinstance(obj, cls)
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    patch(
+        lookasides,
+        isinstance,
+        dtensor_aware_isinstance,
+        table=JIT_LOOKASIDES,
+        expects=expects_function("thunder.core", "obj"),
+    )
+
+
+def is_unpack_cotangents(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` unpacks the backward's cotangent sequence (thunder 0.2.6 naming)."""
+    return bsym.sym.id == prims.PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == "cotangents"
+
+
+def bind_unpack_dtensor_spec(dtensor: Proxy, output: Proxy) -> BoundSymbol:
+    """A prologue line ``output = dtensor._spec``."""
+    return prims.unpack_attr.bind(dtensor, "_spec", output=output)
+
+
+def bind_unpack_local_tensor(dtensor: Proxy, output: Proxy) -> BoundSymbol:
+    """A prologue line ``output = dtensor._local_tensor``."""
+    return prims.unpack_attr.bind(dtensor, "_local_tensor", output=output)
+
+
+def torchsymbol(name: str) -> Callable[[Callable], Symbol]:
+    """A torch-level thunder symbol that accepts DTensorProxy inputs; it maps no torch function itself."""
+    return ltorch.torchsymbol(id=f"thunder_dtensor.{name}", allow_tensor_subclass_proxy=True)
+
+
+@installer("dtensor", "placements are built, and device meshes queried, whole: stepping into them aborts or costs")
+def make_placements_opaque() -> None:
+    """Let jitted code build placements (``Shard(1)``, ``Replicate()``) and ask a device mesh about itself: the
+    interpreter calls these whole.
+
+    Placements are Python subclasses of pybind11 classes; stepping into their construction aborts the
+    process. Dynamo graphs handed over by thunderfx spell every placement as such a call. A mesh's queries
+    (``mesh.size(0)``, ``mesh.get_group()``, ...) read fixed process-group state: stepping through their
+    Python code costs first-call time and changes nothing in the program.
+    """
+    from thunder.core import jit_ext
+
+    mesh_queries = ("size", "get_group", "get_local_rank", "get_coordinate", "get_rank", "get_all_groups")
+    opaque = [Shard, Replicate, Partial, *(getattr(DeviceMesh, name) for name in mesh_queries)]
+    for fn in opaque:
+        patch(
+            jit_ext._general_jit_lookaside_map,
+            fn,
+            jit_ext.interpreter_needs_wrap(fn),
+            table=JIT_LOOKASIDES,
+            expects=expects_absent,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hooks on the module passed to thunder.jit (thunder 0.2.6 layout)
+# ---------------------------------------------------------------------------------------------------------
+#: Per-instance state every ``nn.Module`` holds (hook dicts and the like), which ``ThunderModule`` therefore
+#: holds too, for itself. thunder unpacks ``_parameters`` / ``_buffers`` / ``_modules`` by name and deletes
+#: its own ``training``; every other such attribute of the jitted module must be read from the user's module.
+_UNPACKED_BY_THUNDER = {"training", "_parameters", "_buffers", "_modules"}
+_WRAPPER_SHADOWED_MODULE_STATE = frozenset(vars(torch.nn.Module())) - _UNPACKED_BY_THUNDER
+
+
+@installer("dtensor", "the prologue reads the jitted module's hook dicts from the user's module, not its wrapper's")
+def read_root_module_state_from_user_module() -> None:
+    """Make the prologue read the jitted module's hook dicts from that module, not from its ``ThunderModule``.
+
+    ``thunder.jit(module)`` interprets ``module.__call__``, whose ``_call_impl`` reads ``self._forward_hooks``
+    & co. The prologue re-reads what the trace depends on (e.g. the ``use_local_output`` flag inside a
+    tensor-parallel hook's closure) from ``get_thunder_module(module)``, the ``ThunderModule``; it forwards
+    unknown attributes to the user's module, but hook dicts are its own (empty) ones, so the prologue fails
+    (``KeyError``). thunder reads *callable* attributes of that module from the user's module instead; we
+    mark the provenance of these state attributes the same way, so only the prologue's source object changes.
+    """
+    from thunder.core import interpreter, jit_ext
+
+    thunder_getattr = jit_ext._general_jit_lookaside_map[getattr]
+
+    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
+        value = thunder_getattr(obj, name, *maybe_default)
+        if (
+            value is not interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+            and isinstance(interpreter.unwrap(obj), torch.nn.Module)
+            and interpreter.unwrap(name) in _WRAPPER_SHADOWED_MODULE_STATE
+        ):
+            record = value.provenance
+            if (
+                record.inst is interpreter.PseudoInst.LOAD_ATTR
+                and record.inputs[0].ext_flag & jit_ext.EXT_FLAG_IS_MODULE
+                and record.inputs[1].value == interpreter.unwrap(name)
+            ):
+                record.ext_flag |= jit_ext.EXT_FLAG_IS_CALLABLE
+        return value
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    patch(
+        lookasides,
+        getattr,
+        getattr_lookaside,
+        table=JIT_LOOKASIDES,
+        expects=expects_function("thunder.core", "obj", "name"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-place ops (thunder 0.2.6 layout; used by ops/inplace.py)
+#
+# thunder 0.2.6 keeps in-place ops in its traces: a torch symbol tagged ``OpTags.IN_PLACE`` computes the new
+# value and copies it into its first argument; ``thunder.core.update_aliases`` then inserts
+# ``update_aliases`` lines so that later reads see the new value. Those lines are built for plain tensors.
+# ---------------------------------------------------------------------------------------------------------
+def inplace_torchsymbol(name: str) -> Callable[[Callable], Symbol]:
+    """Like :func:`torchsymbol`, tagged ``IN_PLACE``: thunder's alias updates treat its first argument as written.
+
+    thunder's decorator also records an out-of-place twin for its own tests (``_inplace_to_out_of_place``);
+    a DTensor in-place symbol has none, so the entry is dropped again.
+    """
+
+    def decorate(fn: Callable) -> Symbol:
+        make = ltorch.torchsymbol(
+            id=f"thunder_dtensor.{name}", allow_tensor_subclass_proxy=True, tags=(OpTags.IN_PLACE,), out_of_place=fn
+        )
+        sym = make(fn)
+        ltorch._inplace_to_out_of_place.pop(sym, None)
+        return sym
+
+    return decorate
+
+
+def grad_enabled_while_tracing() -> bool:
+    """Whether the function being traced runs with autograd on (thunder records it when jitting starts)."""
+    from thunder.core.compile_data import get_compile_data
+
+    cd = get_compile_data()
+    return bool(cd.is_grad_enabled) if cd is not None else torch.is_grad_enabled()
+
+
+def inplace_argument_index(symbol: Any) -> int | None:
+    """Position of the ``inplace`` parameter of a thunder torch symbol (``relu(a, inplace=False)``), if any."""
+    entry = ltorch._inplace_to_out_of_place.get(symbol) if isinstance(symbol, Symbol) else None
+    if entry is None or entry[0] is not symbol or entry[1] < 0:
+        return None
+    return entry[1]
+
+
+@installer("dtensor", "thunder's alias updates keep DTensor proxies and run on the dtensor executor")
+def keep_dtensors_in_alias_updates(
+    is_dtensor_proxy: Callable, new_alias: Callable, update_aliases_prim: Symbol
+) -> None:
+    """Make thunder's alias updates keep DTensor proxies and run on the dtensor executor.
+
+    * ``new_alias(p)`` makes the proxy for the updated alias of the DTensor proxy ``p``; thunder would make a
+      plain ``TensorProxy``, losing the spec.
+    * An ``update_aliases`` line over DTensors binds ``update_aliases_prim`` instead of thunder's prim, which
+      the torch executor would run on DTensors.
+    """
+    import thunder.core.update_aliases as update_aliases
+
+    thunder_new_alias = update_aliases._get_new_alias
+    thunder_update_bsym = update_aliases._get_update_bsym
+
+    def get_new_alias(alias: Any, trace: Any) -> Any:
+        if not is_dtensor_proxy(alias.proxy):
+            return thunder_new_alias(alias, trace)
+        with tracectx(trace):
+            return new_alias(alias.proxy)
+
+    def get_update_bsym(group: Any, swap_map: dict, new_aliases: tuple) -> tuple:
+        bsym, swap_map = thunder_update_bsym(group, swap_map, new_aliases)
+        if any(is_dtensor_proxy(p) for p in bsym.flat_proxy_args):
+            bsym = bsym.from_bsym(sym=update_aliases_prim)
+        return bsym, swap_map
+
+    thunder_involves_viewed_args = update_aliases._involves_viewed_args
+
+    def involves_viewed_args(bsym: BoundSymbol, viewed: set) -> bool:
+        # thunder skips the return: a DTensor written through one of its views and then returned itself would
+        # be returned under its name from before the write, which the forward/backward split then drops
+        if bsym.sym.id == prims.PrimIDs.RETURN:
+            return any(is_dtensor_proxy(p) and variableify(p) in viewed for p in bsym.flat_proxy_args)
+        return thunder_involves_viewed_args(bsym, viewed)
+
+    module = "thunder.core.update_aliases"
+    patch(update_aliases, "_get_new_alias", get_new_alias, expects=expects_function(module, "alias", "trace"))
+    patch(
+        update_aliases,
+        "_get_update_bsym",
+        get_update_bsym,
+        expects=expects_function(module, "group", "swap_map", "new_aliases"),
+    )
+    patch(
+        update_aliases,
+        "_involves_viewed_args",
+        involves_viewed_args,
+        expects=expects_function(module, "bsym", "viewed"),
+        reason="a DTensor written through a view and returned itself is returned with the write",
+    )
+
+
+def local_shards_alias(a: Any, b: Any) -> bool:
+    """Whether two DTensors' local shards share memory (``a`` a view of ``b``), on real and fake tensors alike."""
+    return torch._C._is_alias_of(local_tensor(a), local_tensor(b))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compiled-program hook (thunder 0.2.6 layout; used by consistency.py)
+# ---------------------------------------------------------------------------------------------------------
+@installer("dtensor", "each compiled program is shown to a hook first (the opt-in rank-consistency check)")
+def install_compiled_program_hook(on_compiled: Callable[[Any, Any], None]) -> None:
+    """Call ``on_compiled(computation_trace, backward_trace_or_None)`` each time thunder.jit finishes a program.
+
+    thunder 0.2.6 ends each compilation by building a ``CacheEntry`` (a namedtuple in ``thunder``'s module)
+    from the final traces, before the program first runs; we rebind that name to a subclass whose
+    constructor calls the hook first. An exception from the hook fails the call that compiled, and nothing
+    is cached. Installed once; the traces are those the entry runs (the forward as before its conversion
+    to torch types, which changes no dtensor op).
+    """
+    base = thunder.CacheEntry
+
+    class CacheEntry(base):
+        __slots__ = ()
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            entry = super().__new__(cls, *args, **kwargs)
+            backward = entry.backward_traces[-1] if entry.backward_traces else None
+            on_compiled(entry.computation_traces[-1], backward)
+            return entry
+
+    def namedtuple_with_traces(original: Any) -> str | None:
+        fields = set(getattr(original, "_fields", ()))
+        return None if {"computation_traces", "backward_traces"} <= fields else "a namedtuple with *_traces fields"
+
+    patch(thunder, "CacheEntry", CacheEntry, expects=namedtuple_with_traces)

@@ -1,0 +1,191 @@
+"""thunderfx (thunder.dynamo, thunder 0.2.6 layout): its splitter, example inputs and DTensor sharding rules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from thunder_dtensor._integration.bootstrap import (
+    DISTRIBUTED_AVAILABLE,
+    DeviceMesh,
+    DTensor,
+    TraceCtx,
+    clear_sharding_propagation_cache,
+    thunder,
+    tracectx,
+)
+from thunder_dtensor._integration.registry import expects_function, installer, patch
+
+import torch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thunderfx (thunder.dynamo, thunder 0.2.6 layout)
+# ---------------------------------------------------------------------------------------------------------
+def is_opaque_script_object(x: Any) -> bool:
+    """Whether ``x`` is what dynamo graphs hold for a device mesh or process group."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    return isinstance(x, (FakeScriptObject, torch.ScriptObject))
+
+
+def fx_example_value(arg: Any) -> Any:
+    """Dynamo's example value of an fx node (``arg`` itself if it is not a node).
+
+    A graph input that is a device mesh has an opaque stand-in as example value; the mesh itself is
+    dynamo's recorded example for that input.
+    """
+    if not isinstance(arg, torch.fx.Node):
+        return arg
+    value = arg.meta.get("example_value")
+    if is_opaque_script_object(value) and "grapharg" in arg.meta:
+        return arg.meta["grapharg"].example
+    return value
+
+
+def trace_on_proxies(fn: Callable, make_inputs: Callable[[], tuple[tuple, dict]]) -> None:
+    """Run ``fn`` once on proxies in a throwaway trace, as thunderfx's splitter tests an op.
+
+    ``make_inputs`` builds the proxies inside the trace.
+    """
+    from thunder.common import CompileData, CompileStats
+    from thunder.core.compile_data import compile_data_and_stats
+
+    @compile_data_and_stats(CompileData(fn=lambda x: x, disable_preprocessing=True), CompileStats())
+    @thunder._with_cache_info_ctx
+    def run() -> None:
+        cache_info = thunder._get_cache_info()
+        cache_info["default_dtype"] = torch.get_default_dtype()
+        cache_info["default_device"] = torch.get_default_device()
+        with tracectx(TraceCtx()):
+            args, kwargs = make_inputs()
+            fn(*args, **kwargs)
+
+    run()
+
+
+@installer("dtensor", "thunderfx's splitter hands graphs with DTensors to thunder.jit whole")
+def install_thunderfx_support(dtensor_node_support: Callable, plain_node_support: Callable) -> None:
+    """Make thunderfx's splitter hand graphs with DTensors to thunder.jit whole.
+
+    * ``dtensor_node_support(node)`` decides for every node that touches a DTensor or a device mesh
+      (``None`` leaves the node to thunder): thunder's own check crashes on the mesh's ``FakeScriptObject``
+      and looks methods like ``redistribute`` up on ``torch.Tensor`` only.
+    * ``plain_node_support(node, thunder_options, thunder_check)`` answers for every other node, by asking
+      ``thunder_check`` (thunder's own check, which traces the node's symbol and its gradient: ~0.1 s a node)
+      or a cached answer for the same call signature.
+    * ``translate_dtensor_ops`` is turned off: it rewrites older dynamo graphs to thunder's experimental
+      DTensor prims, which this package removes. torch >= 2.13 graphs call ``DTensor.from_local``,
+      ``.redistribute`` and ``.to_local`` directly, and the dispatch table covers those.
+    * Example-input metadata (kept for thunderfx's reports) passes the device mesh through as it is.
+    * Each graph module is compiled to Python before ``thunder.jit`` sees it: fx's lazy code generation,
+      run inside thunder's interpreter, fails on a mesh argument.
+    * DTensor's sharding-propagation cache is cleared once a graph is split: see ``splitter``.
+    """
+    import thunder.dynamo.compiler as fx_compiler
+    import thunder.dynamo.splitter as fx_splitter
+    import thunder.dynamo.utils as fx_utils
+
+    thunder_node_support = fx_utils.is_node_supported_by_thunder
+
+    def is_node_supported_by_thunder(node: torch.fx.Node, thunder_options: dict) -> tuple[bool, Any]:
+        decision = dtensor_node_support(node)
+        if decision is None:
+            return plain_node_support(node, thunder_options, thunder_node_support)
+        supported, reason = decision
+        if supported:
+            return True, None
+        return False, fx_utils.SplitReason(fx_utils.SplitReasonType.MISSING_OP_SUPPORT, info=reason)
+
+    thunder_example_meta = fx_utils.input_to_example_input_meta
+
+    def input_to_example_input_meta(x: Any) -> Any:
+        if is_opaque_script_object(x) or isinstance(x, DeviceMesh):
+            return x
+        return thunder_example_meta(x)
+
+    thunder_splitter = fx_compiler._splitter
+
+    def splitter(gm: torch.fx.GraphModule, thunder_jit: Callable, *args: Any, **kwargs: Any) -> Any:
+        def jit_compiled_graph(graph_module: torch.fx.GraphModule, **options: Any) -> Any:
+            fx_utils.recompile_graph(graph_module)
+            return thunder_jit(graph_module, **options)
+
+        try:
+            return thunder_splitter(gm, jit_compiled_graph, *args, **kwargs)
+        finally:
+            # dynamo's fake run of the graph cached sharding decisions whose placements hold fake tensors of its
+            # fake mode (the vocab-parallel embedding's mask): a later compile or eager call would reuse them
+            clear_sharding_propagation_cache()
+
+    dynamo = "thunder.dynamo"
+    node_check = expects_function(dynamo, "node")
+    patch(fx_utils, "is_node_supported_by_thunder", is_node_supported_by_thunder, expects=node_check)
+    patch(fx_splitter, "is_node_supported_by_thunder", is_node_supported_by_thunder, expects=node_check)
+    example_meta = expects_function(dynamo, "input")
+    patch(fx_utils, "input_to_example_input_meta", input_to_example_input_meta, expects=example_meta)
+    patch(
+        fx_splitter,
+        "translate_dtensor_ops",
+        lambda gm: None,
+        expects=expects_function(dynamo, "gm"),
+        reason="dynamo graphs are not rewritten to thunder's experimental DTensor prims (this package removes them)",
+    )
+    patch(fx_compiler, "_splitter", splitter, expects=expects_function(dynamo, "gm", "thunder_jit"))
+
+
+@installer("dtensor", "DTensor gets sharding rules for ops it lacks only while a thunderfx program is called")
+def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
+    """Give DTensor sharding rules for ops it has none for, only while a thunderfx program is called.
+
+    Dynamo traces a thunderfx program by running it on fake DTensors, so each DTensor op needs DTensor's own
+    sharding rule even where thunder's dtensor symbol has one (CPU's fused attention). Each rule (torch's
+    public ``register_sharding`` form: acceptable (output placements, input placements) per mesh dim) is
+    registered with DTensor's propagator for the duration of a call of a thunderfx-compiled object, and
+    removed after it, so eager DTensor, ``thunder.jit`` and processes that never call thunderfx keep DTensor's
+    own behaviour. An op torch already has a rule for keeps torch's (nothing registered).
+    """
+    if not DISTRIBUTED_AVAILABLE:
+        return
+    from thunder.dynamo.compiler import ThunderFXCompiledObject
+    from torch.distributed.tensor.experimental import register_sharding
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    missing = {op: rule for op, rule in rules.items() if op not in propagator.op_strategy_funcs}
+    if not missing:
+        return
+    consulted = [False]  # a rule was asked during the current call: its decisions are in DTensor's cache
+
+    def noting_use(strategy: Callable) -> Callable:
+        def strategy_noting_use(*args: Any, **kwargs: Any) -> Any:
+            consulted[0] = True
+            return strategy(*args, **kwargs)
+
+        return strategy_noting_use
+
+    scoped: dict[Any, tuple] = {}
+    for op, rule in missing.items():
+        register_sharding(op)(rule)
+        strategy = propagator.op_strategy_funcs.pop(op)
+        scoped[op] = (noting_use(strategy), propagator.op_to_schema_info.pop(op, None))
+    thunderfx_call = ThunderFXCompiledObject.__call__
+
+    def call_with_sharding_rules(self: Any, *args: Any, **kwargs: Any) -> Any:
+        added = [op for op in scoped if op not in propagator.op_strategy_funcs]
+        for op in added:
+            strategy, schema_info = scoped[op]
+            propagator.op_strategy_funcs[op] = strategy
+            if schema_info is not None:
+                propagator.op_to_schema_info[op] = schema_info
+        consulted[0] = False
+        try:
+            return thunderfx_call(self, *args, **kwargs)
+        finally:
+            for op in added:
+                propagator.op_strategy_funcs.pop(op, None)
+                propagator.op_to_schema_info.pop(op, None)
+            if consulted[0]:  # (dynamo traced the attention) no decision made with a rule outlives the call
+                clear_sharding_propagation_cache()
+
+    call = expects_function("thunder.dynamo", "self")
+    patch(ThunderFXCompiledObject, "__call__", call_with_sharding_rules, expects=call)

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
 RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 
-.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz clean
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz compat clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,13 @@ fuzz: setup
 	$(RUN2) scripts/fuzz.py --seeds $(FUZZ_SEEDS) $(FUZZ_ARGS); s2=$$?; \
 	$(RUN4) scripts/fuzz.py --seeds $(FUZZ_SEEDS) $(FUZZ_ARGS); s4=$$?; \
 	test $$s2 -eq 0 && test $$s4 -eq 0
+
+# another torch (docs/architecture.md, "Versions"): a venv with it (CUDA wheels of 5-7 GB, deleted afterwards unless
+# KEEP=1), the unit tests, the seed and TP examples under thunder.jit and thunderfx, a distributed subset at 2 ranks.
+# e.g. make compat TORCH=2.10.0
+TORCH ?= 2.14.1
+compat:
+	bash scripts/compat.sh $(TORCH)
 
 tp-demo: setup
 	$(RUN2) examples/tp_transformer.py

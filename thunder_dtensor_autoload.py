@@ -13,7 +13,8 @@ torch`` fail:
 * **Opt-in** (``THUNDER_DTENSOR_AUTOLOAD=1``): ``import thunder`` works in any order. After ``import torch``
   the first ``import thunder`` imports ``thunder_dtensor``, which imports thunder the way this torch needs
   (and so applies every patch of the package); if thunder itself is importing torch, the methods are supplied
-  as placeholders that raise when called, which ``import thunder_dtensor`` later removes.
+  as placeholders that raise when called, which ``import thunder_dtensor`` later removes (and, on torch >= 2.14,
+  ``autograd.Function.apply`` as a Python classmethod, which it restores).
 
 The module is top-level and imports nothing heavy: torch is still initialising when it runs.
 """
@@ -35,6 +36,18 @@ OPT_IN_VARIABLE = "THUNDER_DTENSOR_AUTOLOAD"
 
 #: placeholders added while thunder was imported before thunder_dtensor (removed by thunder_dtensor)
 installed_placeholders: dict[str, Any] = {}
+#: torch >= 2.14 implements ``autograd.Function.apply`` in C, and thunder 0.2.x reads ``apply.__func__`` when it
+#: is imported: (torch's apply, the Python stand-in) while thunder imports before thunder_dtensor (restored by it)
+installed_function_apply: list[Any] = []
+
+
+def python_function_apply(builtin: Any) -> Any:
+    """A Python function for ``classmethod(...)`` that calls torch's C ``Function.apply`` (thunder keys by it)."""
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return builtin.__get__(None, cls)(*args, **kwargs)
+
+    return apply
 
 
 def named_tensor_placeholder(name: str, torch_version: str) -> Any:
@@ -127,5 +140,10 @@ def _install() -> None:
         for name in _missing_methods(tensor):
             installed_placeholders[name] = named_tensor_placeholder(name, version)
             setattr(tensor, name, installed_placeholders[name])
+        function = torch.autograd.function.Function
+        if not hasattr(function.apply, "__func__"):
+            builtin = vars(function)["apply"]
+            installed_function_apply[:] = [builtin, python_function_apply(builtin)]
+            function.apply = classmethod(installed_function_apply[1])
     elif not any(isinstance(finder, _ThunderFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _ThunderFinder(opted_in))

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 #: prims that stay eager by design in these models (none today)
 EXPECTED: dict[str, str] = {}
+#: options each model's thunder.jit gets (scripts/dump_traces.py sets the lowering on and off)
+JIT_OPTIONS: dict[str, object] = {}
 _NOT_LOWERED = re.compile(r"# not lowered \(runs eager DTensor\): (.*)\n\s*(.*)")
 
 
@@ -49,7 +51,7 @@ def _tokens(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _step(model: torch.nn.Module, loss: Callable, idx: torch.Tensor, tgt: torch.Tensor) -> Callable:
-    jfn = thunder.jit(model)
+    jfn = thunder.jit(model, **JIT_OPTIONS)
     loss(jfn(idx), tgt).backward()
     return jfn
 

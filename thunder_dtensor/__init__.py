@@ -12,6 +12,7 @@ from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, thunder
 
 __all__ = ["DISTRIBUTED_AVAILABLE", "thunder"]
 _integration.fix_complex_gradients()  # thunder 0.2.6's grad rules ignore complex conjugation (RoPE)
+_integration.call_custom_autograd_functions_with_builtin_apply()  # torch >= 2.14: autograd.Function.apply is C
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import guards, ops  # noqa: F401

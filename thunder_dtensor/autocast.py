@@ -35,9 +35,8 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE
 from thunder_dtensor.executor import dtensor_ex
-from thunder_dtensor.ops.fallback import FALLBACK_PRIMS
 from thunder_dtensor.ops.pointwise import dtensor_convert_element_type_prim
-from thunder_dtensor.primitive import define_dtensor_prim, to_torch_value
+from thunder_dtensor.primitive import PRIMS, define_dtensor_prim, to_torch_value
 from thunder_dtensor.proxy import DTensorProxy
 
 import torch
@@ -65,29 +64,31 @@ class AutocastPolicy:
 # Which torch function a dtensor symbol stands for
 # ---------------------------------------------------------------------------------------------------------
 _torch_fn_by_symbol_id: dict[str, Callable] = {}
-_indexed_sizes: tuple[int, int] = (-1, -1)
+_indexed_size = -1
 
 
 def _reindex() -> None:
-    global _indexed_sizes
+    global _indexed_size
     _torch_fn_by_symbol_id.clear()
     for torch_fn, dispatcher in DISPATCH_TABLE.items():
         symbol = dispatcher.dtensor_symbol
         if isinstance(symbol, ti.Symbol):
             _torch_fn_by_symbol_id.setdefault(symbol.id, torch_fn)
-    # ops without a family symbol reach their fallback prim (made on first use) straight from the dispatcher
-    for torch_fn, prim in FALLBACK_PRIMS.items():
-        _torch_fn_by_symbol_id.setdefault(prim.id, torch_fn)
-    _indexed_sizes = (len(DISPATCH_TABLE), len(FALLBACK_PRIMS))
+    _indexed_size = len(DISPATCH_TABLE)
 
 
 def torch_function_of(sym: ti.Symbol) -> Callable | None:
-    """The torch function a DTensor call of which ``sym`` traces, or None (an internal prim)."""
-    torch_fn = _torch_fn_by_symbol_id.get(sym.id)
-    if torch_fn is None and _indexed_sizes != (len(DISPATCH_TABLE), len(FALLBACK_PRIMS)):
+    """The torch function a DTensor call of which ``sym`` traces, or None (an internal prim).
+
+    A prim's comes from its record (its first dispatch entry: a fallback prim's torch function, say); a
+    torch-level dtensor symbol's from the dispatch table.
+    """
+    record = PRIMS.get(sym.name)
+    if record is not None:
+        return record.torch_functions[0] if record.torch_functions else None
+    if _indexed_size != len(DISPATCH_TABLE):
         _reindex()
-        torch_fn = _torch_fn_by_symbol_id.get(sym.id)
-    return torch_fn
+    return _torch_fn_by_symbol_id.get(sym.id)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,12 +6,20 @@ from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
+from thunder_dtensor.primitive import PRIMS
 from thunder_dtensor.proxy import DTensorProxy
 
 __all__ = ["DTensorDispatcher", "register_function_for_dtensor", "register_method_for_dtensor"]
 
 #: torch function -> its dispatcher, for every registered function (used by docs and tests).
 DISPATCH_TABLE: dict[Callable, DTensorDispatcher] = {}
+
+
+def _add_entry(torch_fn: Callable, dispatcher: DTensorDispatcher) -> None:
+    DISPATCH_TABLE[torch_fn] = dispatcher
+    record = PRIMS.get(getattr(dispatcher.dtensor_symbol, "name", None))
+    if record is not None:  # a prim the call reaches directly: its record lists the entry
+        record.torch_functions.append(torch_fn)
 
 
 def has_dtensor_argument(args: tuple, kwargs: dict) -> bool:
@@ -55,13 +63,13 @@ def register_function_for_dtensor(
     """
     dispatcher = DTensorDispatcher(single_device_symbol, dtensor_symbol)
     ti.register_torch_function(torch_fn, dispatcher)
-    DISPATCH_TABLE[torch_fn] = dispatcher
+    _add_entry(torch_fn, dispatcher)
     if is_method:
         method_name = torch_fn.__name__
         torch_method = getattr(__import__("torch").Tensor, method_name, None)
         if torch_method is not None:
             ti.register_torch_function(torch_method, dispatcher, method_name=method_name)
-            DISPATCH_TABLE[torch_method] = dispatcher
+            _add_entry(torch_method, dispatcher)
     return dispatcher
 
 
@@ -74,5 +82,5 @@ def register_method_for_dtensor(method_name: str, dtensor_symbol: Callable) -> D
     dispatcher = DTensorDispatcher(single_device, dtensor_symbol)
     torch_method = getattr(torch.Tensor, method_name)
     ti.register_torch_function(torch_method, dispatcher, method_name=method_name)
-    DISPATCH_TABLE[torch_method] = dispatcher
+    _add_entry(torch_method, dispatcher)
     return dispatcher

@@ -30,14 +30,10 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.primitive import (
-    DTENSOR_PRIMS,
-    GENERIC_VJP_NAMES,
     GRADIENT_SOURCES,
-    NOT_LOWERED,
-    RENAMING_PRIMS,
-    REWRITTEN_PRIMS,
-    RUNTIME_FNS,
+    PRIMS,
     dtensor_rewritten_prim,
+    is_generic_vjp,
     propagate_on_fake_dtensors,
     to_torch_value,
     without_unused_vjp_gradients,
@@ -476,7 +472,8 @@ class _Lowering:
         for o in bsym.flat_proxy_outs:
             if isinstance(o, DTensorProxy):
                 self.materialized.add(o.name)
-        if bsym.sym.name in RENAMING_PRIMS:
+        record = PRIMS.get(bsym.sym.name)
+        if record is not None and record.renames_arguments:
             for before, after in zip(bsym.flat_proxy_args, bsym.flat_proxy_outs):
                 if not (isinstance(before, DTensorProxy) and isinstance(after, DTensorProxy)):
                     continue
@@ -484,12 +481,13 @@ class _Lowering:
                     self.renamed[after.name] = self.local_info(before)  # its layout is known: the same one
         # a generic vjp was traced for its output's cotangent spec, which the gradient it gets may not have
         overridden = any(isinstance(a, DTensorProxy) and a.name in self.spec for a in bsym.flat_proxy_args)
-        if overridden or bsym.sym.name in GENERIC_VJP_NAMES:
+        if overridden or is_generic_vjp(bsym.sym.name):
             self._propagate_actual_specs(bsym)
 
     def _propagate_actual_specs(self, bsym: ti.BoundSymbol) -> None:
         """An eager op given other placements than annotated places its outputs as eager would: ask DTensor."""
-        fn = RUNTIME_FNS.get(bsym.sym.name)
+        record = PRIMS.get(bsym.sym.name)
+        fn = record.runtime_fn if record is not None else None
         if fn is None:
             return
 
@@ -539,7 +537,7 @@ class _Lowering:
         return self.fake.get(c.name) or _contiguous_info(c)
 
     def lower_forward(self, bsym: ti.BoundSymbol) -> None:
-        runtime_fn = RUNTIME_FNS[bsym.sym.name]
+        runtime_fn = PRIMS[bsym.sym.name].runtime_fn
         flat, tree = ti.torch_tree_flatten((bsym.args, bsym.kwargs))
         infos = self._infos(flat)
 
@@ -642,7 +640,8 @@ class _Lowering:
             env[node] = output
             self._record_fakes(output, node.meta["val"])
         self.lowered += 1
-        rewritten = REWRITTEN_PRIMS.get(origin.sym.name)
+        record = PRIMS.get(origin.sym.name)
+        rewritten = record.rewritten if record is not None else None
         if rewritten is not None:  # its local ops do not say that DTensor had no rule for the op
             self.bsyms.append(dtensor_rewritten_prim.bind((), *rewritten, output=None))
 
@@ -722,9 +721,10 @@ def joint_gradients(vjp_name: str, vjp_args: tuple) -> tuple | None:
     not trace this call (lowering off, the op kept eager, an empty tensor) or the trace fails: the vjp's own
     fake run answers then, and raises DTensor's rejection as before.
     """
-    name = vjp_name.removesuffix("_vjp_prim") + "_prim"
-    if not lowering_enabled() or name in NOT_LOWERED or name not in RUNTIME_FNS:
+    record = PRIMS.get(vjp_name.removesuffix("_vjp_prim") + "_prim")
+    if not lowering_enabled() or record is None or _not_lowered(record) is not None:
         return None
+    name = record.symbol.name
     args, kwargs, cotangents, diff_indices = vjp_args
     flat, tree = ti.torch_tree_flatten((args, kwargs))
     if any(_is_tensor_proxy(x) and 0 in tuple(x.shape) for x in (*flat, *cotangents)):
@@ -774,7 +774,7 @@ def _trace_joint(
                     leaves[i] = value
                 values[i] = value
             args, kwargs = ti.torch_tree_unflatten(values, tree)
-            out = RUNTIME_FNS[name](*args, **kwargs)
+            out = PRIMS[name].runtime_fn(*args, **kwargs)
             outs = [o for o in ti.torch_tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         fwd_locals, fwd_specs = _unwrapped_outputs(outs)
         pairs = [(outs[i], _value(info, cot)) for i, info, cot in zip(cot_positions, cot_infos, cots)]
@@ -1010,11 +1010,11 @@ def _pair_vjps(bsyms: list) -> dict[int, int]:
     """Forward prim index -> index of its generic vjp (the one taking the same arguments)."""
     forwards: dict[tuple, list[int]] = {}
     for i, bsym in enumerate(bsyms):
-        if bsym.sym.name in DTENSOR_PRIMS and bsym.sym.name not in GENERIC_VJP_NAMES:
+        if bsym.sym.name in PRIMS and not is_generic_vjp(bsym.sym.name):
             forwards.setdefault(_call_key(bsym.sym.name, bsym.args, bsym.kwargs), []).append(i)
     pairs: dict[int, int] = {}
     for j, bsym in enumerate(bsyms):
-        if bsym.sym.name in GENERIC_VJP_NAMES:
+        if is_generic_vjp(bsym.sym.name):
             args, kwargs = bsym.args[0], bsym.args[1]
             name = bsym.sym.name.removesuffix("_vjp_prim") + "_prim"
             candidates = [i for i in forwards.get(_call_key(name, args, kwargs), []) if i < j and i not in pairs]
@@ -1033,11 +1033,18 @@ def _flatten(bsyms: list) -> list:
     out = []
     for bsym in bsyms:
         touches = any(isinstance(p, DTensorProxy) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs))
-        if touches and bsym.subsymbols and bsym.sym.name not in DTENSOR_PRIMS and not bsym.sym.is_prim:
+        if touches and bsym.subsymbols and bsym.sym.name not in PRIMS and not bsym.sym.is_prim:
             out.extend(_flatten(list(bsym.subsymbols)))
         else:
             out.append(bsym)
     return out
+
+
+def _not_lowered(record: Any) -> str | None:
+    """Why the prim of ``record`` is never lowered, or None."""
+    if record.not_lowered is not None:
+        return record.not_lowered
+    return "no torch function to trace" if record.runtime_fn is None else None
 
 
 def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> ti.TraceCtx:
@@ -1048,7 +1055,7 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
     again. Ops a fusion executor could take (``torch.compile``'s, when listed) are left for thunder to assign.
     """
     bsyms = _flatten(list(trace.bound_symbols))
-    if not any(b.sym.name in DTENSOR_PRIMS for b in bsyms):
+    if not any(b.sym.name in PRIMS for b in bsyms):
         return trace
     bsyms = without_unused_vjp_gradients(bsyms)  # a joint traces with eager's requires_grad pattern
     state = _Lowering(trace)
@@ -1063,14 +1070,15 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
                 state.restore(saved)
                 state.keep(bsym, str(e))
                 continue
-        name = bsym.sym.name
-        if name not in DTENSOR_PRIMS:
+        record = PRIMS.get(bsym.sym.name)
+        if record is None:
             state.keep(bsym)
             continue
-        if name in NOT_LOWERED or name not in RUNTIME_FNS:
-            state.keep(bsym, NOT_LOWERED.get(name, "no torch function to trace"))
+        why = _not_lowered(record)
+        if why is not None:
+            state.keep(bsym, why)
             continue
-        if name in GENERIC_VJP_NAMES:
+        if record.is_generic_vjp:
             state.keep(bsym, "its forward was not lowered (the gradient recomputes it)")
             continue
         saved = state.snapshot()

@@ -8,8 +8,9 @@ operation on the runtime DTensors. Its grad rule is written with other dtensor p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from thunder_dtensor import _integration as ti
@@ -27,20 +28,70 @@ __all__ = [
     "propagated_fakes",
     "to_torch_value",
     "DTENSOR_PRIMS",
+    "PRIMS",
+    "PrimRecord",
 ]
 
-#: Every dtensor prim by name, for introspection, docs and tests.
-DTENSOR_PRIMS: dict[str, ti.Symbol] = {}
 
-#: prim name -> the torch operation it runs on DTensors (what the lowering traces with DTensor's dispatch)
-RUNTIME_FNS: dict[str, Callable] = {}
+@dataclasses.dataclass
+class PrimRecord:
+    """Everything the package knows about one dtensor prim, in one place (:data:`PRIMS`, by prim name).
 
-#: prims that return their DTensor arguments themselves under new names (the alias pass's renames): the lowering
-#: reads each output with its argument's local layout
-RENAMING_PRIMS: set[str] = set()
+    Its meta and execution are the symbol's own (the meta runs the prim's torch op on fake DTensors, unless
+    the prim gives another); the rest is what passes over whole programs (autodiff, the lowering, autocast)
+    read about it.
+    """
 
-#: prim name -> why it is never lowered (it exists to run eager DTensor code, or nothing, at run time)
-NOT_LOWERED: dict[str, str] = {}
+    symbol: ti.Symbol
+    #: the torch operation on DTensors: what the prim runs, and what the lowering traces with DTensor's dispatch
+    runtime_fn: Callable | None = None
+    #: the grad rule thunder's autodiff uses for it: the generic one (eager DTensor's own backward) until a
+    #: dedicated rule replaces it (``define_vjp``); None for prims no gradient flows through
+    grad_rule: Callable | None = None
+    #: the generic grad rule, kept when a dedicated one replaces it (complex tensors and ``generic_when`` use it)
+    generic_grad_rule: Callable | None = None
+    #: this prim is the generic vjp of another: its gradients are narrowed to those a backward reads
+    is_generic_vjp: bool = False
+    #: why it is never lowered (it exists to run eager DTensor code, or nothing, at run time); None: lowered
+    not_lowered: str | None = None
+    #: it returns its DTensor arguments themselves under new names (the alias pass's renames): the lowering reads
+    #: each output with its argument's local layout
+    renames_arguments: bool = False
+    #: (the op it computes, how: "decomposition" or "replicated fallback") for a prim DTensor had no rule for
+    rewritten: tuple[str, str] | None = None
+    #: its outputs' global shapes are checked against the op's on plain tensors (a plain torch op on DTensors)
+    shape_checked: bool = False
+    #: the torch functions whose DTensor calls reach it directly (its dispatch entries), by which autocast asks
+    #: torch what it would cast
+    torch_functions: list[Callable] = dataclasses.field(default_factory=list)
+
+
+#: every dtensor prim's record, by prim name
+PRIMS: dict[str, PrimRecord] = {}
+
+
+class _SymbolsByName(Mapping):
+    """A read-only view, prim name -> symbol: the public ``DTENSOR_PRIMS`` (introspection, docs and tests)."""
+
+    def __getitem__(self, name: str) -> ti.Symbol:
+        return PRIMS[name].symbol
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(PRIMS)
+
+    def __len__(self) -> int:
+        return len(PRIMS)
+
+
+#: Every dtensor prim by name (a view of :data:`PRIMS`).
+DTENSOR_PRIMS: Mapping[str, ti.Symbol] = _SymbolsByName()
+
+
+def add_prim_record(symbol: ti.Symbol, **facts: Any) -> PrimRecord:
+    """Record a dtensor prim (:func:`define_dtensor_prim` does; the in-place copy, made otherwise, too)."""
+    ti.check(symbol.name not in PRIMS, lambda: f"{symbol.name} is already defined")
+    record = PRIMS[symbol.name] = PrimRecord(symbol, **facts)
+    return record
 
 
 def to_torch_value(x: Any) -> Any:
@@ -227,7 +278,7 @@ GRADIENT_SOURCES: list[Callable[[str, tuple], tuple | None]] = []
 
 
 def _fake_outputs_of_call(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
-    if op_name in GENERIC_VJP_NAMES:
+    if is_generic_vjp(op_name):
         for source in GRADIENT_SOURCES:
             gradients = source(op_name, args)
             if gradients is not None:
@@ -239,10 +290,6 @@ def _only_fake_tensors(out: Any) -> bool:
     """Whether every tensor in ``out`` is fake: results of the real-zeros run (below) are not kept."""
     leaves, _ = ti.torch_tree_flatten(out)
     return all(ti.is_fake(x) for x in leaves if isinstance(x, torch.Tensor))
-
-
-#: prims that run a plain torch op on DTensors: their output shapes are checked against the op's on plain tensors
-SHAPE_CHECKED_PRIMS: set[str] = set()
 
 
 class WrongShapeError(DTensorOpError):
@@ -305,7 +352,9 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
             raise rejected(zeros_error) from zeros_error
     if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
         out = tuple(out)
-    wrong = _shapes_unlike_torch(torch_fn, args, kwargs, out) if op_name in SHAPE_CHECKED_PRIMS else ""
+    record = PRIMS.get(op_name)
+    checked = record is not None and record.shape_checked
+    wrong = _shapes_unlike_torch(torch_fn, args, kwargs, out) if checked else ""
     if wrong:
         raise WrongShapeError(
             op_name,
@@ -330,6 +379,7 @@ def define_dtensor_prim(
     differentiable: bool = True,
     tags: tuple = (),
     not_lowered: str | None = None,
+    renames_arguments: bool = False,
 ) -> ti.Symbol:
     """Create ``dtensor_<name>_prim`` and register its execution on the dtensor executor.
 
@@ -337,10 +387,11 @@ def define_dtensor_prim(
     runtime implementation. ``meta`` and ``execute`` override them where the two differ (a prim that
     takes thunder dtypes, say). A differentiable prim starts with the generic grad rule (see
     :func:`run_vjp`); ``define_vjp`` replaces it with a dedicated one. ``not_lowered`` (a reason) keeps the
-    prim out of the lowering: it then always runs as the eager DTensor op.
+    prim out of the lowering: it then always runs as the eager DTensor op. ``renames_arguments``: see
+    :class:`PrimRecord`.
     """
     prim_name = f"dtensor_{name}_prim"
-    ti.check(prim_name not in DTENSOR_PRIMS, lambda: f"{prim_name} is already defined")
+    ti.check(prim_name not in PRIMS, lambda: f"{prim_name} is already defined")
     runtime_fn = execute or torch_fn
 
     def _meta(*args: Any, **kwargs: Any) -> Any:
@@ -352,12 +403,9 @@ def define_dtensor_prim(
     prim = ti.make_prim(f"thunder_dtensor.{prim_name}", prim_name, meta=_meta, tags=tags)
     op = dtensor_ex.register_operator(prim_name, like=prim, fn=runtime_fn, tags=list(tags))
     dtensor_ex.register_implementation(prim, op, checker=_always)
-    DTENSOR_PRIMS[prim_name] = prim
-    RUNTIME_FNS[prim_name] = runtime_fn
-    if not_lowered is not None:
-        NOT_LOWERED[prim_name] = not_lowered
+    record = add_prim_record(prim, runtime_fn=runtime_fn, not_lowered=not_lowered, renames_arguments=renames_arguments)
     if differentiable:
-        _register_generic_vjp(prim, name, runtime_fn)
+        _register_generic_vjp(record, name)
     else:  # no gradient flows through it (factories, guards, vjps)
         ti.register_grad(prim, prim)
     return prim
@@ -376,9 +424,6 @@ def _kept_no_op(name: str, why: str) -> ti.Symbol:
 
 #: a backward step that computes nothing and is never removed (see the generic grad rule)
 _undefined_gradients = _kept_no_op("undefined_gradients", "a kept no-op (a backward that computes no gradient)")
-
-#: rewritten prim name -> (the op it computes, how: "decomposition" or "replicated fallback"), see ops/no_rule.py
-REWRITTEN_PRIMS: dict[str, tuple[str, str]] = {}
 
 #: put by the lowering after the local ops of a rewritten prim, so that the executed trace still names it:
 #: ``dtensor_rewritten_prim((), 'torch_addbmm', 'replicated fallback')`` (unlowered, the prim's own name says it)
@@ -455,22 +500,37 @@ def _backward_distrusted(inputs: list, outs: list) -> str | None:
     return None
 
 
-#: prim name -> its generic grad rule (eager DTensor's own backward), kept when a dedicated rule replaces it
-GENERIC_GRAD_RULES: dict[str, Callable] = {}
+def is_generic_vjp(name: str) -> bool:
+    """Whether ``name`` is a generic vjp prim (or its executor operator, which has the prim's name)."""
+    record = PRIMS.get(name)
+    return record is not None and record.is_generic_vjp
 
-#: names of the generic vjp prims (and of their executor operators), whose gradients a backward may partly need
-GENERIC_VJP_NAMES: set[str] = set()
+
+@dataclasses.dataclass
+class _BackwardCall:
+    call_or_rewrite: Callable | None = None
+    replicated: Callable | None = None
 
 
-def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> None:
+#: how a generic vjp is called (:func:`call_backwards_with`)
+_BACKWARD_CALL = _BackwardCall()
+
+
+def call_backwards_with(call_or_rewrite: Callable, replicated: Callable) -> None:
+    """How generic vjps are called: ``ops/no_rule.py`` (which builds on this module) gives its policy, a
+    backward DTensor has no rule for being decomposed, else replicated. Set at import, before any tracing."""
+    _BACKWARD_CALL.call_or_rewrite, _BACKWARD_CALL.replicated = call_or_rewrite, replicated
+
+
+def _register_generic_vjp(record: PrimRecord, name: str) -> None:
+    prim, runtime_fn = record.symbol, record.runtime_fn
     vjp_source = functools.partial(run_vjp, runtime_fn)
     vjp_prim = define_dtensor_prim(f"{name}_vjp", vjp_source, differentiable=False)
-    GENERIC_VJP_NAMES.add(vjp_prim.name)
+    PRIMS[vjp_prim.name].is_generic_vjp = True
 
     def vjp(*vjp_args: Any, distrust: str | None = None) -> Any:
-        # a backward DTensor has no rule for is decomposed, else replicated (ops/no_rule.py, which imports us)
-        from thunder_dtensor.ops.no_rule import call_or_rewrite, replicated
-
+        call_or_rewrite, replicated = _BACKWARD_CALL.call_or_rewrite, _BACKWARD_CALL.replicated
+        ti.check(call_or_rewrite is not None, lambda: "ops/no_rule.py gives how generic vjps are called")
         return call_or_rewrite(
             vjp_prim,
             f"{name}_vjp",
@@ -504,7 +564,7 @@ def _register_generic_vjp(prim: ti.Symbol, name: str, runtime_fn: Callable) -> N
         return out
 
     ti.register_grad(prim, grad_rule)
-    GENERIC_GRAD_RULES[prim.name] = grad_rule
+    record.grad_rule = record.generic_grad_rule = grad_rule
 
 
 def prune_unused_vjp_gradients(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
@@ -530,7 +590,7 @@ def without_unused_vjp_gradients(bsyms: list) -> list:
     used: set = set()
     kept: list = []
     for bsym in reversed(bsyms):
-        if bsym.sym.name in GENERIC_VJP_NAMES:  # the prim, or its dtensor_ex operator after claiming
+        if is_generic_vjp(bsym.sym.name):  # the prim, or its dtensor_ex operator after claiming
             args, kwargs, cotangents, diff_indices = bsym.args
             outs = tuple(bsym.output)
             needed = [i for i, o in enumerate(outs) if isinstance(o, ti.Proxy) and ti.variableify(o) in used]
@@ -569,7 +629,8 @@ def define_vjp(
     """
 
     def register(vjp: Callable) -> Callable:
-        generic = GENERIC_GRAD_RULES.get(prim.name)
+        record = PRIMS[prim.name]
+        generic = record.generic_grad_rule
 
         def grad_rule(*args: Any, **kwargs: Any) -> Any:
             keep_generic = _has_complex_tensor(args, kwargs) or (
@@ -586,6 +647,7 @@ def define_vjp(
             return out
 
         ti.register_grad(prim, grad_rule)
+        record.grad_rule = grad_rule
         return vjp
 
     return register

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from thunder_dtensor.primitive import NOT_LOWERED
+from thunder_dtensor.primitive import PRIMS
 from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, run_case
 
 import pytest
@@ -53,13 +53,14 @@ def kept_eager(fn: Callable, inputs: list, selected: Callable[[str], bool]) -> I
     names = sorted(n for n in names if n.startswith("dtensor_"))
     chosen = [n for n in names if n.endswith("_prim") and selected(n)]
     assert chosen, f"no prim selected among {names}"
+    before = {name: PRIMS[name].not_lowered for name in chosen}
     for name in chosen:
-        NOT_LOWERED[name] = "kept eager by the test"
+        PRIMS[name].not_lowered = "kept eager by the test"
     try:
         yield chosen
     finally:
-        for name in chosen:
-            NOT_LOWERED.pop(name, None)
+        for name, why in before.items():
+            PRIMS[name].not_lowered = why
 
 
 def _prim_name_has(word: str) -> Callable[[str], bool]:

@@ -260,3 +260,29 @@ def test_disassembly_and_meta_signatures_are_computed_once():
     assert signature is symbol.inspect.signature(f)
     assert signature == inspect.signature(f)
     assert str(symbol.inspect.signature(lambda x, *, y=1: x)) == "(x, *, y=1)"
+
+
+def test_one_record_per_prim_holds_its_facts():
+    """Every dtensor prim has one record (``primitive.PRIMS``): runtime op, grad rules, lowering policy,
+    renames, shape check, dispatch entries. ``primitive`` itself imports no op family."""
+    import ast
+    import pathlib
+
+    from thunder_dtensor import primitive
+    from thunder_dtensor.ops.inplace import dtensor_copy__prim, dtensor_update_aliases_prim
+    from thunder_dtensor.ops.pointwise import dtensor_mul_prim
+
+    assert len(primitive.PRIMS) == len(DTENSOR_PRIMS) > 50
+    for name, record in primitive.PRIMS.items():
+        assert record.symbol.name == name and DTENSOR_PRIMS[name] is record.symbol
+    mul = primitive.PRIMS[dtensor_mul_prim.name]
+    assert mul.runtime_fn is not None and mul.not_lowered is None and not mul.is_generic_vjp
+    assert mul.generic_grad_rule is not None and mul.grad_rule is not mul.generic_grad_rule  # a dedicated rule
+    assert primitive.PRIMS["dtensor_mul_vjp_prim"].is_generic_vjp
+    assert primitive.PRIMS[dtensor_update_aliases_prim.name].renames_arguments
+    assert "in place" in primitive.PRIMS[dtensor_copy__prim.name].not_lowered
+    cumsum = primitive.PRIMS[fallback_prim(torch.cumsum).name]
+    assert cumsum.shape_checked and cumsum.torch_functions == [torch.cumsum]
+    source = pathlib.Path(primitive.__file__).read_text()
+    imported = [n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imported if m and m.startswith("thunder_dtensor.ops")]

@@ -38,6 +38,8 @@ def test_plain_program_uses_thunder_symbols_and_grads():
     initial = str(thunder.last_traces(jfn)[0])
     assert "ltorch.mul(x, w)" in initial and "ltorch.add(" in initial
     assert "dtensor" not in str(thunder.last_traces(jfn)[-1])
+    # no trace of a plain program names this package (the cotangent meta it patches prints as thunder's prim)
+    assert not [t for t in thunder.last_traces(jfn) + thunder.last_backward_traces(jfn) if "thunder_dtensor" in str(t)]
 
 
 def test_plain_thunderfx_splits_as_thunder_does():

@@ -67,6 +67,7 @@ from thunder_dtensor._integration.autocast import (
 )
 from thunder_dtensor._integration.bootstrap import (
     DISTRIBUTED_AVAILABLE,
+    FUNCTION_APPLY_IS_BUILTIN,
     THUNDER_VERSION,
     TORCH_TESTED_RANGE,
     TORCH_VERSION,
@@ -95,6 +96,7 @@ from thunder_dtensor._integration.bootstrap import (
     canonical_spec_repr,
     check,
     clear_sharding_propagation_cache,
+    custom_function_apply_lookaside,
     decompositions_dtensor_lacks,
     devices,
     dtensor_around,
@@ -190,6 +192,7 @@ from thunder_dtensor._integration.speedups import (
     thunders_own_interpreter_paths,
 )
 from thunder_dtensor._integration.thunder_fixes import (
+    call_custom_autograd_functions_with_builtin_apply,
     fix_complex_gradients,
     fused_sdp_choice,
     install_sdpa_kernel_support,
@@ -248,6 +251,7 @@ __all__ = [
     "DataDependentOutputException",
     "DeviceMesh",
     "FSDPParamLayout",
+    "FUNCTION_APPLY_IS_BUILTIN",
     "FakeTensorMode",
     "GRAD_RULES",
     "INTERPRETER_LOOKASIDES",
@@ -279,11 +283,13 @@ __all__ = [
     "bind_symbols_with_cached_signatures",
     "bind_unpack_dtensor_spec",
     "bind_unpack_local_tensor",
+    "call_custom_autograd_functions_with_builtin_apply",
     "call_partials_outside_the_interpreter",
     "canonical_spec_repr",
     "check",
     "claiming_operator",
     "clear_sharding_propagation_cache",
+    "custom_function_apply_lookaside",
     "decompositions_dtensor_lacks",
     "devices",
     "dispatch_module_calls_outside_the_interpreter",

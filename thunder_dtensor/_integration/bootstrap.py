@@ -14,12 +14,14 @@ import torch
 from looseversion import LooseVersion
 
 TORCH_VERSION = LooseVersion(torch.__version__.split("+")[0])
-#: the torch releases whose private names (listed above) this module was checked against
-TORCH_TESTED_RANGE = (LooseVersion("2.13"), LooseVersion("2.14"))
+#: the torch releases this package is tested with (``make compat``; docs/architecture.md, "Versions"), as
+#: pyproject.toml declares them
+TORCH_TESTED_RANGE = (LooseVersion("2.13"), LooseVersion("2.15"))
 if not (TORCH_TESTED_RANGE[0] <= TORCH_VERSION < TORCH_TESTED_RANGE[1]):
     raise ImportError(
-        f"thunder_dtensor supports torch 2.13.x, found {torch.__version__}: the private torch names it uses "
-        "(thunder_dtensor/_integration/) are checked for that release only; update that package for this one"
+        f"thunder_dtensor supports torch {TORCH_TESTED_RANGE[0]} to {TORCH_TESTED_RANGE[1]} (excluded), found "
+        f"{torch.__version__}: the private torch names it uses (thunder_dtensor/_integration/) are checked for "
+        "those releases only; check this one with `make compat TORCH=<version>` and update that package"
     )
 
 
@@ -69,6 +71,41 @@ def _drop_named_tensor_placeholders(placeholders: dict[str, Callable]) -> None:
     ops[:] = [fn for fn in ops if fn not in dropped]
 
 
+#: torch >= 2.14 implements ``autograd.Function.apply`` in C (a classmethod descriptor without ``__func__``);
+#: thunder 0.2.6 reads ``Function.apply.__func__`` when it is imported, to key its custom-Function lookaside
+FUNCTION_APPLY_IS_BUILTIN = not hasattr(torch.autograd.function.Function.apply, "__func__")
+#: thunder's lookaside for ``MyFunction.apply(...)``, set aside at import where ``apply`` is builtin (see
+#: ``thunder_fixes.call_custom_autograd_functions_with_builtin_apply``)
+custom_function_apply_lookaside: list[Callable] = []
+
+
+@contextlib.contextmanager
+def _function_apply_shim() -> Iterator[None]:
+    """While thunder imports on torch >= 2.14: ``Function.apply`` as a Python classmethod, which thunder keys its
+    lookaside by; afterwards torch's own is back and thunder's lookaside is set aside under no key."""
+    function = torch.autograd.function.Function
+    if not FUNCTION_APPLY_IS_BUILTIN:
+        yield
+        return
+    builtin = vars(function)["apply"]
+    apply = _autoload.python_function_apply(builtin)
+    function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        _restore_function_apply(builtin, apply)
+
+
+def _restore_function_apply(builtin: Any, apply: Callable) -> None:
+    """torch's ``Function.apply`` back in place; thunder's lookaside keyed by the stand-in set aside."""
+    torch.autograd.function.Function.apply = builtin
+    from thunder.core import jit_ext
+
+    lookaside = jit_ext._general_jit_lookaside_map.pop(apply, None)
+    if lookaside is not None:
+        custom_function_apply_lookaside.append(lookaside)
+
+
 def _import_thunder() -> types.ModuleType:
     """thunder, imported with the named-tensor placeholders it needs on torch >= 2.13, then cleaned up.
 
@@ -79,8 +116,11 @@ def _import_thunder() -> types.ModuleType:
     _autoload.installed_placeholders.clear()
     if "thunder" in sys.modules and hasattr(sys.modules["thunder"], "jit"):
         _drop_named_tensor_placeholders(placeholders)
+        if _autoload.installed_function_apply:
+            _restore_function_apply(*_autoload.installed_function_apply)
+            _autoload.installed_function_apply.clear()
         return sys.modules["thunder"]
-    with _named_tensor_shims() as shims:
+    with _named_tensor_shims() as shims, _function_apply_shim():
         import thunder
 
         placeholders.update(shims)

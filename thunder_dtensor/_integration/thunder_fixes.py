@@ -22,8 +22,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from thunder_dtensor._integration.bootstrap import (
+    FUNCTION_APPLY_IS_BUILTIN,
     Symbol,
     TensorProxy,
+    custom_function_apply_lookaside,
     dtypes,
     get_grad,
     ltorch,
@@ -337,3 +339,38 @@ def _wraps_jitted_functions_with_compile_data(original: Any) -> str | None:
     if wanted is None and "weakref_cd" in jit_closures.get("get_computation_and_inputs", ()):
         return None
     return "thunder's _with_cache_info_ctx(fn), applied by thunder.jit to get_computation_and_inputs (weakref_cd)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch >= 2.14: ``autograd.Function.apply`` is implemented in C (thunder 0.2.6 reads ``apply.__func__``)
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "MyFunction.apply(...) reaches thunder's custom-Function lookaside where apply is builtin")
+def call_custom_autograd_functions_with_builtin_apply() -> None:
+    """On torch >= 2.14 ``MyFunction.apply`` is a builtin method bound to the class, so thunder's interpreter
+    finds no lookaside for it (thunder keys it by the Python ``apply.__func__`` of torch <= 2.13) and fails on a
+    custom ``autograd.Function``. ``bootstrap`` sets thunder's lookaside aside while thunder imports; calls of
+    a builtin ``apply`` bound to a ``Function`` subclass are routed to it here, with the class as thunder's
+    lookaside takes it."""
+    if not FUNCTION_APPLY_IS_BUILTIN:
+        return
+    from thunder.core import interpreter, jit_ext
+
+    (thunder_apply,) = custom_function_apply_lookaside
+    function = torch.autograd.function.Function
+    builtin_apply = function.__dict__["apply"]
+    previous = jit_ext.general_jit_lookaside
+
+    def lookaside(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = getattr(fn, "__self__", None)
+        if (
+            type(fn) is types.BuiltinMethodType
+            and isinstance(owner, type)
+            and issubclass(owner, function)
+            and getattr(owner, "apply", None) == builtin_apply.__get__(None, owner)
+        ):
+            cls = interpreter.wrap_const(owner)
+            return lambda *a, **k: thunder_apply(cls, *a, **k)
+        return previous(fn, *args, **kwargs)
+
+    expects = expects_function(("thunder", "thunder_dtensor"), "fn")
+    patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects)

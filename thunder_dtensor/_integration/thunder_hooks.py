@@ -122,7 +122,8 @@ def route_unknown_torch_functions(
             return jit_ext._general_jit_lookaside_map[fn]
         return original(fn, *args, **kwargs)
 
-    patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects_function("thunder.core.jit_ext", "fn"))
+    expects = expects_function(("thunder.core.jit_ext", "thunder_dtensor"), "fn")  # thunder's, or a fix over it
+    patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects)
 
 
 def register_method(method_name: str, thunder_impl: Callable) -> None:
@@ -259,6 +260,7 @@ def set_cotangent_proxy_factory(make_cotangent: Callable) -> None:
     """
     default_meta = prims.get_grad.meta
 
+    @functools.wraps(default_meta)  # (traces print the symbol's module from its meta's: thunder's prims)
     def get_grad_meta(a: Any, /) -> Any:
         cotangent = make_cotangent(a)
         return default_meta(a) if cotangent is None else cotangent

@@ -19,7 +19,7 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
 from thunder_dtensor.ops.no_rule import call_or_rewrite, replicated
-from thunder_dtensor.primitive import SHAPE_CHECKED_PRIMS, define_dtensor_prim
+from thunder_dtensor.primitive import PRIMS, define_dtensor_prim
 from thunder_dtensor.proxy import DTensorProxy
 
 import torch
@@ -73,7 +73,9 @@ def fallback_prim(torch_fn: Callable) -> ti.Symbol:
     prim = FALLBACK_PRIMS.get(torch_fn)
     if prim is None:
         prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(fallback_name(torch_fn), torch_fn)
-        SHAPE_CHECKED_PRIMS.add(prim.name)
+        record = PRIMS[prim.name]
+        record.shape_checked = True
+        record.torch_functions.append(torch_fn)
         if torch_fn in VIEW_FUNCTIONS:
             ti.mark_may_return_views(prim)
     return prim

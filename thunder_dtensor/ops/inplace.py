@@ -39,9 +39,7 @@ from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.ops.fallback import fallback_prim
 from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand
 from thunder_dtensor.primitive import (
-    DTENSOR_PRIMS,
-    NOT_LOWERED,
-    RENAMING_PRIMS,
+    add_prim_record,
     define_dtensor_prim,
     define_vjp,
     propagate_on_fake_dtensors,
@@ -88,8 +86,7 @@ def _define_copy_prim() -> ti.Symbol:
     prim = ti.make_prim(f"thunder_dtensor.{name}", name, meta=_copy_meta, tags=(ti.OpTags.DONT_DCE,))
     op = dtensor_ex.register_operator(name, like=prim, fn=_copy_into)
     dtensor_ex.register_implementation(prim, op, checker=lambda *args, **kwargs: True)
-    DTENSOR_PRIMS[name] = prim
-    NOT_LOWERED[name] = "writes into its destination DTensor in place"
+    add_prim_record(prim, not_lowered="writes into its destination DTensor in place")
     return prim
 
 
@@ -118,10 +115,8 @@ dtensor_update_aliases_prim = define_dtensor_prim(
     meta=_update_aliases_meta,
     differentiable=False,
     not_lowered="renames the written DTensors: the caller's stay the same objects (a leaf stays a leaf)",
+    renames_arguments=True,
 )
-
-
-RENAMING_PRIMS.add(dtensor_update_aliases_prim.name)
 
 
 def _update_aliases_grad(aliases: tuple) -> tuple:

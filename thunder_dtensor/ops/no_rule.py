@@ -32,8 +32,9 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError, first_line
 from thunder_dtensor.primitive import (
-    REWRITTEN_PRIMS,
+    PRIMS,
     WrongShapeError,
+    call_backwards_with,
     define_dtensor_prim,
     propagated_fakes,
     to_torch_value,
@@ -202,7 +203,7 @@ def _rewrite_prim(op_name: str, how: str, torch_fn: Callable, differentiable: bo
     prim = _REWRITE_PRIMS.get(name)
     if prim is None:
         prim = _REWRITE_PRIMS[name] = define_dtensor_prim(name, torch_fn, differentiable=differentiable)
-        REWRITTEN_PRIMS[prim.name] = (op_name, how)
+        PRIMS[prim.name].rewritten = (op_name, how)
     return prim
 
 
@@ -309,3 +310,6 @@ def _record(name: str, how: str) -> None:
 def _with_reasons(error: DTensorOpError, reasons: list[str]) -> DTensorOpError:
     error.args = (error.args[0] + "".join(f"\n  rewrite: {r}" for r in reasons),) + error.args[1:]
     return error
+
+
+call_backwards_with(call_or_rewrite, replicated)  # a generic vjp's backward op is decomposed or replicated too

@@ -96,6 +96,10 @@ def dtensor_node_support(node: torch.fx.Node) -> tuple[bool, str | None] | None:
         return True, None
     if node.op not in ("call_function", "call_method") or not _touches_dtensor(node):
         return None
+    if node.op == "call_function" and ti.is_dynamo_dtensor_method_closure(node.target):
+        # torch 2.10's spelling of from_local / redistribute / to_local: a function of dynamo's that makes the
+        # call; thunder interprets it, and the call reaches the dispatch table as written
+        return True, None
     fn = _thunder_callable(node)
     if fn is None:
         return False, f"node {node.name} ({node.target}) on DTensors has no thunder_dtensor mapping"

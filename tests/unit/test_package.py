@@ -34,13 +34,13 @@ def test_thunder_first_names_the_fix_unless_opted_in(imports):
     thunder 0.2.6 still fails to import, now with a message naming the fix; ``THUNDER_DTENSOR_AUTOLOAD=1``
     makes any order work (then ``import thunder`` imports this package)."""
     plain = _python(f"{imports}; {_JIT_A_PROGRAM}")
-    if torch.__version__ >= "2.13":
+    if "align_as" not in vars(torch.Tensor):  # torch >= 2.12 removed it (and thunder 0.2.x reads it)
         assert plain.returncode != 0
         assert "import thunder_dtensor before thunder" in plain.stderr and "THUNDER_DTENSOR_AUTOLOAD=1" in plain.stderr
     else:
         assert plain.returncode == 0, plain.stderr[-3000:]
     code = f"{imports}; {_JIT_A_PROGRAM}; import thunder_dtensor, torch; "
-    code += "assert not hasattr(torch.Tensor, 'align_as') or torch.__version__ < '2.13'"
+    code += "assert not [n for n, m in vars(torch.Tensor).items() if 'thunder_dtensor' in getattr(m, '__module__', '')]"
     opted_in = _python(code, THUNDER_DTENSOR_AUTOLOAD="1")
     assert opted_in.returncode == 0, opted_in.stderr[-3000:]
 
@@ -51,7 +51,7 @@ def test_torch_alone_is_untouched_by_the_installed_package():
     code = (
         "import sys, torch\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('thunder', 'thunder_dtensor')]\n"
-        "assert not any(n in vars(torch.Tensor) for n in ('align_as', 'align_to', 'rename'))\n"
+        "assert not [n for n, m in vars(torch.Tensor).items() if 'thunder_dtensor' in str(type(m))]\n"
     )
     for env in ({}, {"THUNDER_DTENSOR_AUTOLOAD": "1"}):
         result = _python(code, **env)
@@ -102,7 +102,8 @@ def test_fallback_prim_names_do_not_depend_on_what_ran_first():
 
 def test_declared_torch_range_is_the_tested_one():
     low, high = _integration.TORCH_TESTED_RANGE
-    assert low <= _integration.TORCH_VERSION < high
+    if os.environ.get(_integration.UNTESTED_TORCH_VARIABLE) != "1":  # (make compat checks a candidate release)
+        assert low <= _integration.TORCH_VERSION < high
     pyproject = open(__file__.rsplit("/tests/", 1)[0] + "/pyproject.toml").read()
     assert f'"torch>={low},<{high}"' in pyproject
 

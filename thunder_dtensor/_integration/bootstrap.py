@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -16,8 +17,13 @@ from looseversion import LooseVersion
 TORCH_VERSION = LooseVersion(torch.__version__.split("+")[0])
 #: the torch releases this package is tested with (``make compat``; docs/architecture.md, "Versions"), as
 #: pyproject.toml declares them
-TORCH_TESTED_RANGE = (LooseVersion("2.13"), LooseVersion("2.15"))
-if not (TORCH_TESTED_RANGE[0] <= TORCH_VERSION < TORCH_TESTED_RANGE[1]):
+TORCH_TESTED_RANGE = (LooseVersion("2.12"), LooseVersion("2.15"))
+#: set to "1" to import with a torch outside that range (``make compat`` checks a candidate release this way)
+UNTESTED_TORCH_VARIABLE = "THUNDER_DTENSOR_UNTESTED_TORCH"
+if (
+    not (TORCH_TESTED_RANGE[0] <= TORCH_VERSION < TORCH_TESTED_RANGE[1])
+    and os.environ.get(UNTESTED_TORCH_VARIABLE) != "1"
+):
     raise ImportError(
         f"thunder_dtensor supports torch {TORCH_TESTED_RANGE[0]} to {TORCH_TESTED_RANGE[1]} (excluded), found "
         f"{torch.__version__}: the private torch names it uses (thunder_dtensor/_integration/) are checked for "
@@ -423,12 +429,13 @@ def decompositions_dtensor_lacks() -> dict:
         dispatcher = DTensor._op_dispatcher
         propagator = dispatcher.sharding_propagator
         handled = set(dispatcher._custom_op_handlers)
-        for table in ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules"):
-            if not hasattr(propagator, table):  # (a renamed table: decompositions of ops it has rules for)
+        for table in ("op_strategy_funcs", "op_to_rules"):  # (a renamed table: decompositions of ops with rules)
+            if not hasattr(propagator, table):
                 raise IntegrationError(
                     f"DTensor's sharding propagator has no {table}: update thunder_dtensor/_integration"
                 )
             handled |= set(getattr(propagator, table))
+        handled |= set(getattr(propagator, "op_single_dim_strategy_funcs", {}))  # (torch >= 2.12 has it)
         # the core-ATen table: its decompositions produce aten ops (the full table's refs produce prims.*,
         # which DTensor has no strategies for)
         table = core_aten_decompositions()
@@ -506,7 +513,9 @@ def fake_tensor_mode() -> Iterator[Any]:
     """Fake tensor mode for trace-time runs of torch ops.
 
     An op that fails there is reported by this package (as a ``DTensorOpError``); fake tensor's own log of
-    the failing meta kernel is muted meanwhile.
+    the failing meta kernel is muted meanwhile. Dynamo's tracing context (thunderfx's splitter checks nodes
+    while dynamo compiles) is set aside: its fake mode is dynamo's, and torch 2.10 refuses a second one.
     """
-    with fake_tensor_logging_muted(), _trace_time_fake_mode() as mode:
+    outside_dynamo = torch._guards.tracing(None) if torch._guards.TracingContext.try_get() else contextlib.nullcontext()
+    with outside_dynamo, fake_tensor_logging_muted(), _trace_time_fake_mode() as mode:
         yield mode

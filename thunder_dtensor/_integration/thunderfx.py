@@ -29,6 +29,21 @@ def is_opaque_script_object(x: Any) -> bool:
     return isinstance(x, (FakeScriptObject, torch.ScriptObject))
 
 
+#: what torch 2.10's dynamo records for ``x.redistribute(...)``, ``x.to_local(...)`` and ``DTensor.from_local(...)``:
+#: a function made on the fly that makes the call with its non-tensor arguments baked in, by name and module
+_DYNAMO_DTENSOR_CALL_CLOSURES = {
+    "prim_redistribute": "torch._dynamo.variables.tensor",
+    "prim_to_local": "torch._dynamo.variables.tensor",
+    "prim from_local": "torch._dynamo.variables.torch",
+}
+
+
+def is_dynamo_dtensor_method_closure(target: Any) -> bool:
+    """Whether an fx node's target is such a function (thunder interprets it: its body is the DTensor call)."""
+    module = _DYNAMO_DTENSOR_CALL_CLOSURES.get(getattr(target, "__name__", None))
+    return module is not None and getattr(target, "__module__", None) == module
+
+
 def fx_example_value(arg: Any) -> Any:
     """Dynamo's example value of an fx node (``arg`` itself if it is not a node).
 

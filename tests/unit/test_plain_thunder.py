@@ -189,3 +189,31 @@ def test_patches_that_are_not_about_dtensors_can_be_switched_off_and_keep_plain_
     assert on["out"] == off["out"] and on["grads"] == off["grads"]
     if kind == "THUNDER_DTENSOR_SPEEDUPS":
         assert on["trace"] == off["trace"]
+
+
+def test_custom_autograd_function_runs_its_own_backward():
+    """A custom ``torch.autograd.Function`` under thunder.jit: eager's values and its own (here deliberately not
+    the true) backward. On torch >= 2.14 ``Function.apply`` is C and this takes the registered thunder fix
+    (``call_custom_autograd_functions_with_builtin_apply``); before, thunder's own lookaside."""
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3
+
+    def fn(x):
+        return Double.apply(x).sin()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, expected = thunder.jit(fn)(x), fn(x2)
+    g = torch.randn_like(expected)
+    out.backward(g)
+    expected.backward(g)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(x2.grad, 3 * torch.cos(2 * x2.detach()) * g)  # the custom backward, not the true one

@@ -366,7 +366,7 @@ def call_custom_autograd_functions_with_builtin_apply() -> None:
             type(fn) is types.BuiltinMethodType
             and isinstance(owner, type)
             and issubclass(owner, function)
-            and getattr(owner, "apply", None) == builtin_apply.__get__(None, owner)
+            and fn == builtin_apply.__get__(None, owner)  # apply itself, not another builtin of the class
         ):
             cls = interpreter.wrap_const(owner)
             return lambda *a, **k: thunder_apply(cls, *a, **k)

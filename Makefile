@@ -14,7 +14,7 @@ RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,hf]" "$(TORCH_SPEC)"
 	touch $@
 
 setup: $(VENV)/.installed

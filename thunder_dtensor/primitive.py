@@ -553,7 +553,18 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         cotangents = tuple(_cotangent_or_none(o) for o in outs)
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
-        grads = vjp(args, kwargs, cotangents, diff_indices, distrust=_backward_distrusted(flat_inputs, outs))
+        distrust = _backward_distrusted(flat_inputs, outs)
+        groups = [diff_indices]
+        if (
+            len(diff_indices) > 1
+            and distrust is None
+            and not _traces(vjp_prim.name, vjp_source, (args, kwargs, cotangents, diff_indices))
+        ):
+            # thunder asks for every input's gradient, read or not; torch decomposes by which inputs require grad
+            # (matmul folds differently), so DTensor may reject the joint call where eager, asked for the
+            # gradients it needs, runs: one call per input, and the backward's pruning drops the unread ones
+            groups = [(i,) for i in diff_indices]
+        grads = tuple(g for group in groups for g in vjp(args, kwargs, cotangents, group, distrust=distrust))
         if all(grad is None for grad in grads):
             # torch's backward leaves every gradient undefined (a norm with ord=0), yet its output requires
             # grad: a kept no-op gives thunder a backward, so `backward()` runs and leaves `.grad` None
@@ -565,6 +576,15 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
 
     ti.register_grad(prim, grad_rule)
     record.grad_rule = record.generic_grad_rule = grad_rule
+
+
+def _traces(op_name: str, torch_fn: Callable, args: tuple) -> bool:
+    """Whether DTensor accepts ``torch_fn(*args)`` on fake DTensors (asked before a prim call, which cannot undo)."""
+    try:
+        propagated_fakes(op_name, torch_fn, args, {})
+    except DTensorOpError:
+        return False
+    return True
 
 
 def prune_unused_vjp_gradients(backward_trace: ti.TraceCtx) -> ti.TraceCtx:

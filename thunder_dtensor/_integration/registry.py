@@ -45,6 +45,7 @@ INTERPRETER_LOOKASIDES = "thunder.core.interpreter._default_lookaside_map"
 OPCODE_HANDLERS = "thunder.core.interpreter._default_opcode_handler_map"
 GRAD_RULES = "thunder.core.transforms._grad_fn_map"
 BACKWARD_IMPLS = "thunder.core.transforms.backward_impls"
+TENSOR_METHODS = "thunder.torch.langctx._method_name_to_fn_map"
 
 
 class IntegrationError(RuntimeError):

@@ -39,6 +39,7 @@ from thunder_dtensor._integration.registry import (
     BACKWARD_IMPLS,
     GRAD_RULES,
     JIT_LOOKASIDES,
+    TENSOR_METHODS,
     expects_absent,
     expects_any,
     expects_function,
@@ -374,3 +375,209 @@ def call_custom_autograd_functions_with_builtin_apply() -> None:
 
     expects = expects_function(("thunder", "thunder_dtensor"), "fn")
     patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A Sequence argument that cannot be iterated yet (its own __init__ is being called)
+# ---------------------------------------------------------------------------------------------------------
+def _cannot_iterate(value: Any) -> bool:
+    from collections.abc import Sequence
+
+    if not isinstance(value, Sequence):
+        return False
+    try:
+        for _ in value:
+            pass
+    except Exception:
+        return True
+    return False
+
+
+@installer("thunder-fix", "a call whose Sequence argument cannot be iterated yet (its own __init__) is traced")
+def tolerate_sequences_that_cannot_be_iterated() -> None:
+    """thunder's interpreter iterates every ``Sequence`` argument of a call to look for tensors. A Sequence
+    whose ``__init__`` is being called is one such argument before it holds anything, so ``len(self)`` fails
+    (transformers' per-layer config view: ``AttributeError: '_PerLayerConfigView' object has no attribute
+    '_config'``, every transformers 5.x model). Such an argument holds no tensor: the lookup is asked again
+    without it."""
+    from thunder.core import jit_ext
+
+    previous = jit_ext.general_jit_lookaside
+
+    def lookaside(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return previous(fn, *args, **kwargs)
+        except Exception:  # the tensor search of thunder's lookup, before it has any effect
+            readable = [a for a in args if not _cannot_iterate(getattr(a, "value", None))]
+            if len(readable) == len(args):
+                raise
+            return previous(fn, *readable, **kwargs)
+
+    expects = expects_function(("thunder", "thunder_dtensor"), "fn")
+    patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attribute writes on a captured object that thunder recorded only in part
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "the epilogue replays an object's attribute as the program left it, not a stale write")
+def replay_the_last_attribute_write() -> None:
+    """thunder's interpreter records a write to an attribute of an object the program reaches (through a
+    global, say) and replays it in the epilogue; but it records only some writes, so where a program sets an
+    attribute and then resets it (transformers' output collector: ``global_var = {}`` ... ``global_var =
+    None``) the epilogue replays the first value: ``AssertionError: trying to set .global_var of ... to object
+    of type dict`` (every transformers 5.x model under ``thunder.jit``), and a plain value would be set wrongly.
+    The tracing ran the writes on the object itself, so where the recorded last write is not what the object
+    holds and what it holds is a plain constant, that constant is the write replayed (thunder reads only the
+    ``value`` of a recorded write's wrapper here)."""
+    from thunder.core import interpreter, jit_ext
+
+    constants = (type(None), bool, int, float, str)
+
+    def process(ctx: Any, epilogue_trace: Any) -> Any:
+        for written, records in ctx._additional_outputs.items():
+            held = written.value
+            if not isinstance(held, dict):
+                continue
+            last = {}
+            for inst, *args in records:
+                if inst == interpreter.PseudoInst.STORE_SUBSCR:
+                    _, key, value = args
+                    last[key.value] = (key, value)
+            for name, (key, value) in last.items():
+                current = held.get(name, value.value)
+                if current is not value.value and isinstance(current, constants):
+                    replayed = types.SimpleNamespace(value=current)
+                    records.append((interpreter.PseudoInst.STORE_SUBSCR, written, key, replayed))
+        return original(ctx, epilogue_trace)
+
+    original = jit_ext.process_recorded_modifications
+    patch(
+        jit_ext,
+        "process_recorded_modifications",
+        process,
+        expects=expects_function("thunder.core.jit_ext", "ctx", "epilogue_trace"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gradient hooks registered on a parameter (or another program input) inside the program
+# ---------------------------------------------------------------------------------------------------------
+#: Tensor methods that register a gradient hook: run on the real tensor while tracing, once, as eager does
+GRADIENT_HOOK_METHODS = ("register_hook", "register_post_accumulate_grad_hook")
+
+
+@installer("thunder-fix", "a gradient hook registered on a parameter inside the program is registered on it")
+def register_gradient_hooks_on_real_tensors() -> None:
+    """``param.register_post_accumulate_grad_hook(hook)`` (or ``register_hook``) inside a jitted program raises
+    ``AttributeError: Unknown attribute register_post_accumulate_grad_hook`` in thunder 0.2.6: its proxies have
+    no such method. transformers' tensor parallelism registers gradient all-reduces this way on the first
+    forward (Qwen3's q_norm / k_norm). Where the tensor is one the program reads from outside (a parameter,
+    an argument), the registration runs on that tensor at trace time, as eager's first call does; the hook
+    then fires in the backward, where autograd accumulates the parameter's gradient. A hook on a value the
+    program computes still raises (it has no tensor to hold the hook)."""
+    from thunder.core import interpreter, jit_ext
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    previous_getattr = lookasides[getattr]
+
+    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
+        real = getattr(obj, "original_value", None)
+        if (
+            interpreter.unwrap(name) in GRADIENT_HOOK_METHODS
+            and isinstance(interpreter.unwrap(obj), TensorProxy)
+            and isinstance(real, torch.Tensor)
+        ):
+            method = getattr(real, interpreter.unwrap(name))
+            record = interpreter.ProvenanceRecord(
+                interpreter.PseudoInst.LOAD_ATTR, inputs=[obj.provenance, interpreter.wrap_const(name).provenance]
+            )
+            return interpreter.wrap(method, provenance=record)
+        return previous_getattr(obj, name, *maybe_default)
+
+    def run_on_the_tensor(method: Callable) -> Callable:
+        def register(tensor: Any, hook: Any) -> Any:  # wrapped values: the proxy's tensor is its original value
+            real = interpreter.unwrap(tensor)
+            if isinstance(real, TensorProxy):
+                real = getattr(tensor, "original_value", None)
+            if not isinstance(real, torch.Tensor):
+                error = AttributeError(f"{method.__name__} on a tensor the program computes is not supported")
+                return interpreter.do_raise(error)
+            handle = method(real, interpreter.unwrap(hook))  # outside the interpreter, as eager runs it
+            inputs = [interpreter.wrap_const(method).provenance, tensor.provenance, hook.provenance]
+            return interpreter.wrap(
+                handle, provenance=interpreter.ProvenanceRecord(interpreter.PseudoInst.OPAQUE, inputs)
+            )
+
+        return register
+
+    expects = expects_function(("thunder", "thunder_dtensor"), "obj", "name")  # thunder's, or ours over it
+    patch(lookasides, getattr, getattr_lookaside, table=JIT_LOOKASIDES, expects=expects)
+    for name in GRADIENT_HOOK_METHODS:
+        method = getattr(torch.Tensor, name)
+        patch(lookasides, method, run_on_the_tensor(method), table=JIT_LOOKASIDES, expects=expects_absent)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The stride of a tensor on the meta device made inside the program
+# ---------------------------------------------------------------------------------------------------------
+def _meta_stride(a: TensorProxy, dim: int | None = None) -> Any:
+    if a.device.devicetype is not thunder.core.devices.DeviceType.META:
+        raise AttributeError(
+            f"stride() of {a.name}, a tensor on {a.device} that the program computes: thunder does not trace "
+            "strides (only a meta-device tensor's, which a factory made contiguous, is known)"
+        )
+    stride, step = [], 1
+    for size in reversed(a.shape):  # contiguous: the last dim moves fastest (a size-0 or 1 dim counts as 1)
+        stride.insert(0, step)
+        step *= max(int(size), 1)
+    return tuple(stride) if dim is None else stride[dim]
+
+
+@installer("thunder-fix", "stride() of a tensor a factory made on the meta device is its contiguous stride")
+def give_meta_tensors_a_stride() -> None:
+    """``torch.empty(shape, device="meta").stride()`` in a jitted program raises ``AttributeError: Unknown
+    attribute stride`` in thunder 0.2.6: thunder's tensors have no strides. transformers' tensor parallelism
+    computes ``DTensor.from_local``'s ``stride=`` argument this way. A factory makes a contiguous tensor, and
+    a meta tensor holds nothing else, so ``stride()`` of a meta-device tensor is its contiguous stride; on
+    another device it raises, naming the tensor (a DTensor's global stride is its spec's, see the proxy)."""
+    from thunder.core import jit_ext
+    from thunder.torch.langctx import _method_name_to_fn_map
+
+    patch(_method_name_to_fn_map, "stride", _meta_stride, table=TENSOR_METHODS, expects=expects_absent)
+    lookasides, run_whole = jit_ext._general_jit_lookaside_map, jit_ext.interpreter_needs_wrap(_meta_stride)
+    patch(lookasides, _meta_stride, run_whole, table=JIT_LOOKASIDES, expects=expects_absent)  # not interpreted
+
+
+# ---------------------------------------------------------------------------------------------------------
+# named_parameters() / named_buffers() inside the program, in the module's order
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "named_parameters() / named_buffers() in a program yield in the module's order")
+def keep_named_members_in_order() -> None:
+    """thunder 0.2.6 answers ``module.named_parameters()`` inside a program from a set of the names, so the
+    order is the set's, not the module's: ``list(model.named_parameters())`` in a jitted ``nn.Sequential(
+    nn.Linear(4, 6), nn.LayerNorm(6))`` starts with ``1.bias``; a program that zips them with another list
+    (transformers' weight tying, an optimizer's groups) pairs the wrong tensors. The replacement yields the
+    names in the module's order (and strips a ``prefix=`` as torch adds it), each read through the interpreter
+    as thunder does."""
+    import inspect
+
+    from thunder.core import interpreter, jit_ext
+
+    def named_members(model: Any, named: Callable, get: Callable, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(named).bind(*args, **kwargs)
+        bound.apply_defaults()
+        prefix = bound.arguments.get("prefix", "")
+        names = [name for name, _ in named(*args, **kwargs)]
+
+        def members(names: list) -> Iterator:  # interpreted: each member is read as the program would
+            for name in names:
+                yield name, get(name[len(prefix) + 1 :] if prefix else name)
+
+        record = interpreter.ProvenanceRecord(
+            interpreter.PseudoInst.LOOKASIDE, inputs=[interpreter.wrap_const(named).provenance]
+        )
+        return interpreter._interpret_call(members, interpreter.wrap(names, provenance=record))
+
+    expects = expects_function("thunder.core.jit_ext", "model", "named_member_method", "get_member_method")
+    patch(jit_ext, "_get_torch_nn_module_named_members_lookaside", named_members, expects=expects)

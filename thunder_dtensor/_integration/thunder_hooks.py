@@ -328,7 +328,8 @@ def make_spec(mesh: Any, placements: tuple, tensor_meta: Any) -> Any:
 
 @installer("dtensor", "isinstance(x, DTensor) is True for a DTensor's proxy in jitted code (TP hooks branch on it)")
 def make_isinstance_see_dtensor_proxies(proxy_type: type) -> None:
-    """Inside jitted code, ``isinstance(x, DTensor)`` is True for a DTensor's proxy.
+    """Inside jitted code, ``isinstance(x, DTensor)`` is True for a DTensor's proxy, and ``isinstance(p,
+    nn.Parameter)`` for a DTensor parameter's (``named_parameters()`` inside the program checks it).
 
     Tensor-parallel hooks branch on it (``if not isinstance(x, DTensor): x = DTensor.from_local(...)``);
     thunder's own isinstance lookaside answers as for a plain tensor.
@@ -341,12 +342,18 @@ def make_isinstance_see_dtensor_proxies(proxy_type: type) -> None:
         value, classes = interpreter.unwrap(obj), interpreter.unwrap(cls)
         if isinstance(value, proxy_type):
             classes = tuple(interpreter.unwrap(c) for c in classes) if isinstance(classes, tuple) else (classes,)
-            if any(isinstance(c, type) and issubclass(DTensor, c) for c in classes):
-                record = interpreter.ProvenanceRecord(
-                    interpreter.PseudoInst.LOOKASIDE,
-                    inputs=[interpreter.wrap_const(isinstance).provenance, obj.provenance, cls.provenance],
-                )
-                return interpreter.wrap(True, provenance=record)
+            real = getattr(obj, "original_value", None)
+            if isinstance(real, DTensor):  # read from outside: a DTensor parameter is an nn.Parameter, as in eager
+                answer = isinstance(real, classes)
+            elif any(isinstance(c, type) and issubclass(DTensor, c) for c in classes):
+                answer = True
+            else:
+                return thunder_isinstance(obj, cls)
+            record = interpreter.ProvenanceRecord(
+                interpreter.PseudoInst.LOOKASIDE,
+                inputs=[interpreter.wrap_const(isinstance).provenance, obj.provenance, cls.provenance],
+            )
+            return interpreter.wrap(answer, provenance=record)
         return thunder_isinstance(obj, cls)
 
     lookasides = jit_ext._general_jit_lookaside_map
@@ -450,7 +457,7 @@ def read_root_module_state_from_user_module() -> None:
         getattr,
         getattr_lookaside,
         table=JIT_LOOKASIDES,
-        expects=expects_function("thunder.core", "obj", "name"),
+        expects=expects_function(("thunder.core", "thunder_dtensor"), "obj", "name"),  # thunder's, or ours over it
     )
 
 

@@ -37,7 +37,7 @@ from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.ops.fallback import fallback_prim
-from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand
+from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand, refusing_a_number_into_a_partial_sum
 from thunder_dtensor.primitive import (
     add_prim_record,
     define_dtensor_prim,
@@ -250,12 +250,15 @@ def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enable
         )
 
 
-def inplace_symbol(name: str, torch_fn: Callable) -> ti.Symbol:
-    """The torch-level dtensor symbol for the in-place op ``name`` (one per name); ``torch_fn`` writes its 1st arg."""
+def inplace_symbol(name: str, torch_fn: Callable, meta: Callable | None = None) -> ti.Symbol:
+    """The torch-level dtensor symbol for the in-place op ``name`` (one per name); ``torch_fn`` writes its 1st arg.
+
+    ``meta`` replaces the value prim's fake run (``torch_fn`` on a copy), as in :func:`define_dtensor_prim`.
+    """
     symbol = INPLACE_SYMBOLS.get(name)
     if symbol is not None:
         return symbol
-    value_prim = VALUE_PRIMS[name] = define_dtensor_prim(name, _on_a_copy(torch_fn))
+    value_prim = VALUE_PRIMS[name] = define_dtensor_prim(name, _on_a_copy(torch_fn), meta=meta)
     snapshot = name not in _GRADIENT_READS_NO_VALUES
 
     def inplace(a, *args, **kwargs):
@@ -288,8 +291,8 @@ def _mul_vjp(g, out, a, b):
     return grad_for_operand(dtensor_mul_prim(g, b), a), grad_b
 
 
-inplace_symbol("add_", torch.Tensor.add_)
-inplace_symbol("sub_", torch.Tensor.sub_)
+for _name, _write in (("add_", torch.Tensor.add_), ("sub_", torch.Tensor.sub_)):
+    inplace_symbol(_name, _write, meta=refusing_a_number_into_a_partial_sum(_name, _on_a_copy(_write)))
 inplace_symbol("mul_", torch.Tensor.mul_)
 define_vjp(VALUE_PRIMS["add_"])(_add_or_sub_vjp(1))
 define_vjp(VALUE_PRIMS["sub_"])(_add_or_sub_vjp(-1))

@@ -17,7 +17,8 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor, register_method_for_dtensor
-from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_vjp
+from thunder_dtensor.errors import DTensorOpError
+from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_vjp, propagate_on_fake_dtensors
 from thunder_dtensor.proxy import DTensorProxy
 
 import torch
@@ -80,8 +81,47 @@ def grad_for_operand(grad: Any, operand: Any) -> Any:
 # Elementwise binary ops
 # ---------------------------------------------------------------------------------------------------------
 # operator.* rather than torch.*: they also take a Python scalar as the first operand (``1 - x``).
-dtensor_add_prim = define_dtensor_prim("add", operator.add)
-dtensor_sub_prim = define_dtensor_prim("sub", operator.sub)
+def refusing_a_number_into_a_partial_sum(name: str, torch_fn: Callable) -> Callable:
+    """The meta of ``a + b`` / ``a - b`` (``add_``, ...): the fake run, refusing a number added to a Partial(sum).
+
+    ``Partial(sum) + c`` is ``Replicate`` after a reduction (torch >= 2.12's rule). torch 2.10's rule keeps
+    the output Partial(sum), so every rank adds ``c`` and the sum is off by ``(ranks - 1) * c``, in eager
+    DTensor too: a wrong value, refused here at trace time instead.
+    """
+    prim_name = f"dtensor_{name}_prim"
+
+    def meta(a: Any, b: Any, **kwargs: Any) -> Any:
+        out = propagate_on_fake_dtensors(prim_name, torch_fn, (a, b), kwargs)
+        number = next((x for x in (a, b) if isinstance(x, (int, float)) and not isinstance(x, bool)), 0)
+        tensor = a if isinstance(a, DTensorProxy) else b
+        if number and isinstance(tensor, DTensorProxy) and _keeps_a_partial_sum(tensor, out):
+            raise DTensorOpError(
+                prim_name,
+                (a, b),
+                kwargs,
+                f"torch {torch.__version__}'s DTensor adds the number {number} to every rank's addend of a "
+                "Partial(sum) value and keeps it Partial(sum): the sum would be off by (ranks - 1) times it",
+                hint="reduce the value first (x.redistribute(mesh, [Replicate()])) or use torch >= 2.12, whose "
+                "DTensor does that itself",
+            )
+        return out
+
+    return meta
+
+
+def _keeps_a_partial_sum(tensor: DTensorProxy, out: Any) -> bool:
+    def is_sum(p: Any) -> bool:
+        return isinstance(p, ti.Partial) and p.reduce_op == "sum"
+
+    if not isinstance(out, DTensorProxy):
+        return False
+    return any(is_sum(p) and is_sum(q) for p, q in zip(tensor.placements, out.placements))
+
+
+dtensor_add_prim, dtensor_sub_prim = (
+    define_dtensor_prim(name, fn, meta=refusing_a_number_into_a_partial_sum(name, fn))
+    for name, fn in (("add", operator.add), ("sub", operator.sub))
+)
 dtensor_mul_prim = define_dtensor_prim("mul", operator.mul)
 dtensor_div_prim = define_dtensor_prim("div", operator.truediv)
 dtensor_pow_prim = define_dtensor_prim("pow", operator.pow)

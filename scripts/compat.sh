@@ -16,6 +16,7 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install -q --no-build-isolation --no-deps -e .
 py="$venv/bin/python"
 export THUNDER_DTENSOR_UNTESTED_TORCH=1  # the package refuses a torch outside its declared range otherwise
+export TORCHINDUCTOR_CACHE_DIR="$venv/inductor_cache"  # its precompiled headers are per torch build
 run2=("$venv/bin/torchrun" --nproc-per-node 2 --local-ranks-filter 0)
 "$py" -c "import torch, thunder_dtensor, thunder; print('torch', torch.__version__, 'thunder', thunder.__version__)"
 "$py" -m pytest tests/unit -q -p no:cacheprovider

@@ -18,6 +18,7 @@ _integration.replay_the_last_attribute_write()  # an attribute set, then reset (
 _integration.register_gradient_hooks_on_real_tensors()  # param.register_post_accumulate_grad_hook(...) in forward
 _integration.give_meta_tensors_a_stride()  # torch.empty(shape, device="meta").stride()
 _integration.keep_named_members_in_order()  # named_parameters() in a program, in the module's order
+_integration.keep_saved_tensors_from_in_place_writes()  # v /= v.sum(): the backward reads v as it was
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import guards, ops  # noqa: F401

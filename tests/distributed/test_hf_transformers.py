@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,13 @@ _COMMON = dict(
 CONFIGS: dict[str, Callable] = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
     "qwen3": lambda: transformers.Qwen3Config(head_dim=16, **_COMMON),  # q_norm / k_norm: gradient hooks
+    # experts: local tensors, autograd.Functions calling dist.all_reduce, a torch custom op (grouped_mm)
+    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_COMMON),
 }
+#: what plain thunder.jit cannot run on the one-process model (so neither on the sharded one): the MoE's
+#: routing (``nonzero()``, a data-dependent shape) or its ``transformers::grouped_mm_fallback`` custom op
+#: (thunder 0.2.6 has no custom-op support)
+PLAIN_THUNDER_JIT_FAILS = {"mixtral"}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +68,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _forward(model: torch.nn.Module, ids: torch.Tensor, frontend: str) -> Any:
+    # thunder.jit: no KV cache (thunder 0.2.6 cannot trace its first torch.cat); thunderfx: the model's default
+    # (without the cache, plain thunderfx fails on the one-process Mixtral in thunder's alias pass)
+    return model(input_ids=ids, labels=ids, **({"use_cache": False} if frontend == "jit" else {}))
+
+
 def _compile(model: torch.nn.Module, frontend: str) -> Callable:
     def loss_and_logits(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = model(input_ids=ids, labels=ids, use_cache=False)  # (thunder 0.2.6 cannot trace the KV cache)
+        out = _forward(model, ids, frontend)
         return out.loss, out.logits
 
     if frontend == "thunderfx":
@@ -84,14 +97,19 @@ def test_tensor_parallel_model_trains_as_the_one_process_model(checkpoints, name
     """Eager is the baseline the tolerance is set by: after an AdamW step float32 rounding differs by up to
     ~5e-5 (plain thunder.jit on the one-process Qwen3 differs from eager by 2e-5); a lost gradient all-reduce
     (Qwen3's q_norm / k_norm hooks) is off by 3e-3 to 1e-2."""
-    reference, parallel = _load(checkpoints[name], False), _load(checkpoints[name], True)
+    reference = _load(checkpoints[name], False)
+    if frontend == "jit" and name in PLAIN_THUNDER_JIT_FAILS:  # parity: checked to fail on the one-process model
+        with pytest.raises(Exception, match="grouped_mm_fallback is not registered"):
+            _compile(reference, frontend)(torch.randint(0, 128, (2, 16)))
+        return
+    parallel = _load(checkpoints[name], True)
     assert any(isinstance(p, DTensor) for p in parallel.parameters())
     compiled = _compile(parallel, frontend)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, parallel)]
     torch.manual_seed(1)
     ids = torch.randint(0, 128, (2, 16))
     for step in range(3):
-        expected = reference(input_ids=ids, labels=ids, use_cache=False)
+        expected = _forward(reference, ids, frontend)
         expected.loss.backward()
         loss, logits = compiled(ids)
         loss.backward()

@@ -581,3 +581,62 @@ def keep_named_members_in_order() -> None:
 
     expects = expects_function("thunder.core.jit_ext", "model", "named_member_method", "get_member_method")
     patch(jit_ext, "_get_torch_nn_module_named_members_lookaside", named_members, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A tensor saved for the backward that an in-place op of the forward then overwrites
+# ---------------------------------------------------------------------------------------------------------
+def _is_thunder_copy(bsym: Any) -> bool:
+    return bsym.sym.id == prims.PrimIDs.COPY_ or bsym.sym.name == "copy_"
+
+
+def clone_saved_tensors_before_overwrites(forward_trace: Any) -> Any:
+    """``forward_trace`` saving, for each tensor that a later ``copy_`` of the forward overwrites, a copy taken
+    just before the write (the backward reads the value the tensor had when it was saved)."""
+    from thunder.core.trace import from_trace, tracectx
+    from thunder.executors import torchex
+
+    *body, ret = forward_trace.bound_symbols
+    outputs, (saved, others) = ret.args
+    position = {p.name: i for i, p in enumerate(saved) if isinstance(p, TensorProxy)}
+    kept = list(saved)
+    bsyms: list = []
+    trace = from_trace(forward_trace)
+    trace.names, trace.name_ctr = forward_trace.names, forward_trace.name_ctr
+    for bsym in body:
+        destination = bsym.args[1] if _is_thunder_copy(bsym) and len(bsym.args) > 1 else None
+        i = position.get(getattr(destination, "name", None))
+        if i is not None and kept[i] is saved[i]:
+            scope: list = []
+            with tracectx(trace):
+                trace.push_scope(scope)
+                kept[i] = torchex.clone(destination)
+                trace.pop_scope()
+            bsyms += scope
+        bsyms.append(bsym)
+    if all(a is b for a, b in zip(kept, saved)):
+        return forward_trace
+    trace.bound_symbols = [*bsyms, ret.from_bsym(args=(outputs, (tuple(kept), others)))]
+    forward_trace.name_ctr = trace.name_ctr
+    return trace
+
+
+@installer("thunder-fix", "a tensor saved for the backward is kept as it was when an in-place op overwrites it")
+def keep_saved_tensors_from_in_place_writes() -> None:
+    """``v = x * 2; v /= v.sum(-1, keepdim=True)`` under ``thunder.jit`` gives ``x`` a wrong gradient in thunder
+    0.2.6 (off by up to 1.2 here; Mixtral's and Qwen3-MoE's routers, ``top_k /= top_k.sum(...)``, get wrong
+    router gradients the same way, under thunder.jit and thunderfx). thunder saves ``v`` for the division's
+    backward, then runs the in-place write as a ``copy_`` into ``v``'s memory, so the backward reads the
+    divided values. The split of forward and backward now saves a copy taken just before such a write."""
+    import thunder.transforms.autodiff as autodiff
+
+    split = autodiff.split_into_forward_and_backward
+
+    def split_keeping_saved_values(joint_trace: Any) -> Any:
+        forward_trace, backward_trace = split(joint_trace)
+        if backward_trace is None:
+            return forward_trace, backward_trace
+        return clone_saved_tensors_before_overwrites(forward_trace), backward_trace
+
+    expects = expects_function("thunder.transforms.autodiff", "joint_trace")
+    patch(autodiff, "split_into_forward_and_backward", split_keeping_saved_values, expects=expects)

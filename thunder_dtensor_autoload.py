@@ -110,7 +110,8 @@ class _ThunderFinder(importlib.abc.MetaPathFinder):
 
 
 def _missing_methods(tensor: Any) -> list[str]:
-    return [name for name in REMOVED_NAMED_TENSOR_METHODS if name not in vars(tensor)]
+    # looked up along the MRO, descriptors unread: torch 2.10 / 2.11 define some on the C base class only
+    return [name for name in REMOVED_NAMED_TENSOR_METHODS if not any(name in vars(k) for k in tensor.__mro__)]
 
 
 def _name_the_fix(torch: Any) -> None:

@@ -14,7 +14,7 @@ __all__ = ["DISTRIBUTED_AVAILABLE", "thunder"]
 _integration.fix_complex_gradients()  # thunder 0.2.6's grad rules ignore complex conjugation (RoPE)
 _integration.call_custom_autograd_functions_with_builtin_apply()  # torch >= 2.14: autograd.Function.apply is C
 _integration.tolerate_sequences_that_cannot_be_iterated()  # a Sequence's own __init__ (transformers' configs)
-_integration.replay_the_last_attribute_write()  # an attribute set, then reset (transformers' output collector)
+_integration.replay_the_state_the_program_leaves()  # an attribute set, then reset (transformers' output collector)
 _integration.register_gradient_hooks_on_real_tensors()  # param.register_post_accumulate_grad_hook(...) in forward
 _integration.give_meta_tensors_a_stride()  # torch.empty(shape, device="meta").stride()
 _integration.keep_named_members_in_order()  # named_parameters() in a program, in the module's order

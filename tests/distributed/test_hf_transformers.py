@@ -121,3 +121,16 @@ def test_tensor_parallel_model_trains_as_the_one_process_model(checkpoints, name
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+
+
+def test_greedy_generate_with_a_jitted_forward(checkpoints):
+    """``generate()`` calls the jitted forward under no_grad, where transformers swaps each parallel module's
+    DTensor parameters for local tensors and back (a module-state write thunder now leaves alone) and
+    all-reduces row-parallel outputs in place: the one-process model's tokens. Each new length retraces."""
+    reference, parallel = _load(checkpoints["llama"], False), _load(checkpoints["llama"], True)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 128, (1, 5))
+    expected = reference.generate(ids, max_new_tokens=2, do_sample=False, use_cache=False)
+    parallel.forward = thunder.jit(parallel.forward)
+    tokens = parallel.generate(ids, max_new_tokens=2, do_sample=False, use_cache=False)
+    assert torch.equal(tokens, expected), (tokens, expected)

@@ -34,7 +34,7 @@ def test_thunder_first_names_the_fix_unless_opted_in(imports):
     thunder 0.2.6 still fails to import, now with a message naming the fix; ``THUNDER_DTENSOR_AUTOLOAD=1``
     makes any order work (then ``import thunder`` imports this package)."""
     plain = _python(f"{imports}; {_JIT_A_PROGRAM}")
-    if "align_as" not in vars(torch.Tensor):  # torch >= 2.12 removed it (and thunder 0.2.x reads it)
+    if not hasattr(torch.Tensor, "align_as"):  # torch >= 2.12 removed it (and thunder 0.2.x reads it)
         assert plain.returncode != 0
         assert "import thunder_dtensor before thunder" in plain.stderr and "THUNDER_DTENSOR_AUTOLOAD=1" in plain.stderr
     else:

@@ -111,6 +111,29 @@ def test_a_tensor_saved_for_the_backward_then_written_in_place():
         torch.testing.assert_close(x.grad, x2.grad)
 
 
+_SWAPPED = torch.nn.Linear(3, 2)
+
+
+def _swap_a_parameter_and_restore_it(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # (transformers' local-parameter inference path)
+        original = _SWAPPED._parameters["weight"]
+        _SWAPPED._parameters["weight"] = original * 2
+        try:
+            y = _SWAPPED(x)
+        finally:
+            _SWAPPED._parameters["weight"] = original
+    return y
+
+
+def test_a_parameter_swapped_and_restored_in_the_program():
+    weight = _SWAPPED.weight
+    x = torch.randn(4, 3)
+    jitted = thunder.jit(_swap_a_parameter_and_restore_it)
+    for _ in range(2):
+        torch.testing.assert_close(jitted(x), _swap_a_parameter_and_restore_it(x))
+        assert _SWAPPED.weight is weight
+
+
 def test_a_sequence_built_in_the_program():
     x = torch.randn(2, 3)
     torch.testing.assert_close(thunder.jit(_make_a_sequence)(x), _make_a_sequence(x))
@@ -167,7 +190,10 @@ sys.path.insert(0, {here!r})
 import thunder_dtensor, thunder, torch
 import test_thunder_fixes_for_models as t
 errors = {{}}
-for name in ("_make_a_sequence", "_set_then_reset", "_meta_stride", "_register_a_hook", "_named_parameters"):
+for name in (
+    "_make_a_sequence", "_set_then_reset", "_meta_stride", "_register_a_hook", "_named_parameters",
+    "_swap_a_parameter_and_restore_it",
+):
     try:
         thunder.jit(getattr(t, name))(torch.randn(4, 3))
         errors[name] = None
@@ -200,3 +226,7 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     assert "Unknown attribute register_post_accumulate_grad_hook" in errors["_register_a_hook"]
     assert "named_parameters() in the order" in errors["_named_parameters"]
     assert errors["_normalize_in_place"] > 1e-3  # a wrong gradient, silently
+    assert (
+        "_parameters" in errors["_swap_a_parameter_and_restore_it"]
+        and "not supported" in errors["_swap_a_parameter_and_restore_it"]
+    )

@@ -17,7 +17,7 @@ from looseversion import LooseVersion
 TORCH_VERSION = LooseVersion(torch.__version__.split("+")[0])
 #: the torch releases this package is tested with (``make compat``; docs/architecture.md, "Versions"), as
 #: pyproject.toml declares them
-TORCH_TESTED_RANGE = (LooseVersion("2.12"), LooseVersion("2.15"))
+TORCH_TESTED_RANGE = (LooseVersion("2.10"), LooseVersion("2.15"))
 #: set to "1" to import with a torch outside that range (``make compat`` checks a candidate release this way)
 UNTESTED_TORCH_VARIABLE = "THUNDER_DTENSOR_UNTESTED_TORCH"
 if (

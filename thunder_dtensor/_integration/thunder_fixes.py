@@ -420,35 +420,55 @@ def tolerate_sequences_that_cannot_be_iterated() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Attribute writes on a captured object that thunder recorded only in part
 # ---------------------------------------------------------------------------------------------------------
-@installer("thunder-fix", "the epilogue replays an object's attribute as the program left it, not a stale write")
-def replay_the_last_attribute_write() -> None:
-    """thunder's interpreter records a write to an attribute of an object the program reaches (through a
-    global, say) and replays it in the epilogue; but it records only some writes, so where a program sets an
-    attribute and then resets it (transformers' output collector: ``global_var = {}`` ... ``global_var =
-    None``) the epilogue replays the first value: ``AssertionError: trying to set .global_var of ... to object
-    of type dict`` (every transformers 5.x model under ``thunder.jit``), and a plain value would be set wrongly.
-    The tracing ran the writes on the object itself, so where the recorded last write is not what the object
-    holds and what it holds is a plain constant, that constant is the write replayed (thunder reads only the
-    ``value`` of a recorded write's wrapper here)."""
+@installer("thunder-fix", "the epilogue replays the state a program leaves, not a stale or a restoring write")
+def replay_the_state_the_program_leaves() -> None:
+    """thunder's interpreter records writes to objects the program reaches (an attribute, a module's
+    ``_parameters``) and replays the last one it recorded in the epilogue. Two cases fail in thunder 0.2.6:
+
+    * it records only some writes, so where a program sets an attribute and resets it (transformers' output
+      collector: ``global_var = {}`` ... ``global_var = None``) it replays the first: ``AssertionError: trying
+      to set .global_var of ... to object of type dict`` (every transformers 5.x model under ``thunder.jit``).
+      The tracing ran the writes on the object itself: where the object now holds a plain constant that is not
+      the recorded last write, that constant is the write replayed (thunder reads only its ``value`` there);
+    * a write that puts back the value the program read from the same slot (transformers swaps a module's
+      parameters for local tensors around a no-grad forward, then restores them) is replayed as a write of the
+      module's ``_parameters``, which thunder does not support: ``NotImplementedError: Modifications of ...
+      _parameters are not supported``. Such a key is left as it was: nothing to replay.
+    """
     from thunder.core import interpreter, jit_ext
 
     constants = (type(None), bool, int, float, str)
+    store = interpreter.PseudoInst.STORE_SUBSCR
+
+    def read_from_the_slot(value: Any, written: Any, name: Any) -> bool:
+        history = getattr(value.value, "history", None)  # a proxy's provenance: where the program read it
+        return (
+            isinstance(history, interpreter.ProvenanceRecord)
+            and history.inst is interpreter.PseudoInst.BINARY_SUBSCR
+            and history.inputs[0] == written.provenance
+            and history.inputs[1].inst is interpreter.PseudoInst.CONSTANT
+            and history.inputs[1].value == name
+        )
 
     def process(ctx: Any, epilogue_trace: Any) -> Any:
-        for written, records in ctx._additional_outputs.items():
-            held = written.value
+        for written in list(ctx._additional_outputs):
+            records, held = ctx._additional_outputs[written], written.value
             if not isinstance(held, dict):
                 continue
             last = {}
             for inst, *args in records:
-                if inst == interpreter.PseudoInst.STORE_SUBSCR:
+                if inst == store:
                     _, key, value = args
                     last[key.value] = (key, value)
             for name, (key, value) in last.items():
                 current = held.get(name, value.value)
-                if current is not value.value and isinstance(current, constants):
+                if read_from_the_slot(value, written, name):
+                    records[:] = [r for r in records if not (r[0] == store and r[2].value == name)]
+                elif current is not value.value and isinstance(current, constants):
                     replayed = types.SimpleNamespace(value=current)
-                    records.append((interpreter.PseudoInst.STORE_SUBSCR, written, key, replayed))
+                    records.append((store, written, key, replayed))
+            if not records:
+                del ctx._additional_outputs[written]
         return original(ctx, epilogue_trace)
 
     original = jit_ext.process_recorded_modifications

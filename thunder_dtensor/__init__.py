@@ -19,6 +19,9 @@ _integration.register_gradient_hooks_on_real_tensors()  # param.register_post_ac
 _integration.give_meta_tensors_a_stride()  # torch.empty(shape, device="meta").stride()
 _integration.keep_named_members_in_order()  # named_parameters() in a program, in the module's order
 _integration.keep_saved_tensors_from_in_place_writes()  # v /= v.sum(): the backward reads v as it was
+_integration.name_opaque_arguments_of_traced_functions()  # MyFunction.apply(x, process_group)
+_integration.run_torch_custom_ops()  # torch.ops.ns.op(...) of a torch.library.custom_op
+_integration.answer_requires_grad_of_computed_values()  # x.view(-1).requires_grad is True, as in eager
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import guards, ops  # noqa: F401

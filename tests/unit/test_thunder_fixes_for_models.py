@@ -134,6 +134,95 @@ def test_a_parameter_swapped_and_restored_in_the_program():
         assert _SWAPPED.weight is weight
 
 
+class _Scaling:
+    factor = 3.0
+
+    def name(self) -> str:  # (torch.distributed's ProcessGroup has a name() method too)
+        return "scaling"
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scaling):
+        ctx.factor = scaling.factor
+        return x * scaling.factor
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+_SCALING = _Scaling()
+
+
+def _custom_function_given_an_object(x: torch.Tensor) -> torch.Tensor:
+    return _Scale.apply(x, _SCALING).sin()
+
+
+def test_a_custom_function_given_an_object_with_a_name_method():
+    x = torch.randn(4, 3, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, expected = thunder.jit(_custom_function_given_an_object)(x), _custom_function_given_an_object(x2)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+@torch.library.custom_op("thunder_dtensor_tests::scaled_rows", mutates_args=())
+def _scaled_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * scale[:, None]
+
+
+@_scaled_rows.register_fake
+def _(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _scaled_rows_backward(ctx, g):
+    x, scale = ctx.saved_tensors
+    return g * scale[:, None], (g * x).sum(1)
+
+
+_scaled_rows.register_autograd(
+    _scaled_rows_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs)
+)
+
+
+def _call_a_custom_op(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.thunder_dtensor_tests.scaled_rows(x.sin(), scale=x[:, 0].exp()).cos()
+
+
+def test_a_torch_custom_op_forward_and_backward():
+    x = torch.randn(4, 3, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, expected = thunder.jit(_call_a_custom_op)(x), _call_a_custom_op(x2)
+    g = torch.randn_like(expected)
+    out.backward(g)
+    expected.backward(g)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+_FLAGS: dict = {}
+
+
+def _branch_on_requires_grad(x: torch.Tensor) -> torch.Tensor:
+    h = x.view(-1)
+    _FLAGS["view"] = h.requires_grad
+    with torch.no_grad():
+        _FLAGS["no_grad"] = (h * 2).requires_grad
+    _FLAGS["argmax"] = h.argmax().requires_grad
+    return h * 3 if h.requires_grad else h * 0  # (transformers' _AllReduceBackward.apply branches like this)
+
+
+def test_requires_grad_of_computed_values():
+    x = torch.randn(2, 3, requires_grad=True)
+    out = thunder.jit(_branch_on_requires_grad)(x)
+    assert _FLAGS == {"view": True, "no_grad": False, "argmax": False}
+    torch.testing.assert_close(out, x.detach().view(-1) * 3)
+
+
 def test_a_sequence_built_in_the_program():
     x = torch.randn(2, 3)
     torch.testing.assert_close(thunder.jit(_make_a_sequence)(x), _make_a_sequence(x))
@@ -192,7 +281,7 @@ import test_thunder_fixes_for_models as t
 errors = {{}}
 for name in (
     "_make_a_sequence", "_set_then_reset", "_meta_stride", "_register_a_hook", "_named_parameters",
-    "_swap_a_parameter_and_restore_it",
+    "_swap_a_parameter_and_restore_it", "_custom_function_given_an_object", "_call_a_custom_op",
 ):
     try:
         thunder.jit(getattr(t, name))(torch.randn(4, 3))
@@ -205,6 +294,9 @@ x2 = x.detach().clone().requires_grad_()
 thunder.jit(t._normalize_in_place)(x).sum().backward()
 t._normalize_in_place(x2).sum().backward()
 errors["_normalize_in_place"] = (x.grad - x2.grad).abs().max().item()
+x = torch.randn(2, 3, requires_grad=True)
+zero = torch.equal(thunder.jit(t._branch_on_requires_grad)(x), x.detach().view(-1) * 0)
+errors["_branch_on_requires_grad"] = "no-grad branch taken" if zero else "eager's branch"
 print(json.dumps(errors))
 """
 
@@ -226,6 +318,9 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     assert "Unknown attribute register_post_accumulate_grad_hook" in errors["_register_a_hook"]
     assert "named_parameters() in the order" in errors["_named_parameters"]
     assert errors["_normalize_in_place"] > 1e-3  # a wrong gradient, silently
+    assert "expected str instance, method found" in errors["_custom_function_given_an_object"]
+    assert "scaled_rows is not registered" in errors["_call_a_custom_op"]
+    assert errors["_branch_on_requires_grad"] == "no-grad branch taken"  # eager takes the other
     assert (
         "_parameters" in errors["_swap_a_parameter_and_restore_it"]
         and "not supported" in errors["_swap_a_parameter_and_restore_it"]

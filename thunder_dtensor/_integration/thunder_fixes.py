@@ -23,8 +23,10 @@ from typing import Any
 
 from thunder_dtensor._integration.bootstrap import (
     FUNCTION_APPLY_IS_BUILTIN,
+    OperatorExecutor,
     Symbol,
     TensorProxy,
+    add_always_executor,
     custom_function_apply_lookaside,
     dtypes,
     get_grad,
@@ -33,6 +35,8 @@ from thunder_dtensor._integration.bootstrap import (
     put_grad,
     put_grads,
     pyval,
+    register_executor,
+    register_grad,
     thunder,
 )
 from thunder_dtensor._integration.registry import (
@@ -660,3 +664,173 @@ def keep_saved_tensors_from_in_place_writes() -> None:
 
     expects = expects_function("thunder.transforms.autodiff", "joint_trace")
     patch(autodiff, "split_into_forward_and_backward", split_keeping_saved_values, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A custom autograd.Function given an object whose ``name`` is not a string (a ProcessGroup)
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "a custom autograd.Function may take an object whose name is a method (a ProcessGroup)")
+def name_opaque_arguments_of_traced_functions() -> None:
+    """thunder names each argument of a custom ``autograd.Function``'s forward trace after ``proxy(arg).name``;
+    an object thunder does not proxy stays itself, and if it has a ``name()`` method (torch.distributed's
+    ``ProcessGroup``: transformers' MoE experts call ``_AllReduceForward.apply(x, tp_group)``) the trace cannot
+    be printed: ``TypeError: sequence item 1: expected str instance, method found``. Such an argument gets a
+    generated name."""
+    from thunder.core import codeutils
+    from thunder.core.proxies import ProxyInterface, proxy
+
+    def from_name_and_args(name: str, args: Any) -> Any:
+        signature = codeutils.SigInfo(name)
+        for i, arg in enumerate(args):
+            named = arg if isinstance(arg, ProxyInterface) else proxy(arg)
+            arg_name = getattr(named, "name", None)
+            signature.args.append((arg_name if isinstance(arg_name, str) else f"opaque_argument_{i}", None))
+        return signature
+
+    def expects(original: Any) -> str | None:
+        return expects_function("thunder.core.codeutils", "name", "args")(getattr(original, "__func__", original))
+
+    patch(codeutils.SigInfo, "from_name_and_args", staticmethod(from_name_and_args), expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch custom ops (torch.library.custom_op) called in a program
+# ---------------------------------------------------------------------------------------------------------
+def _differentiable_inputs(args: tuple) -> list[int]:
+    return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dtype.is_floating_point]
+
+
+def _custom_op_vjp(op: Any) -> Callable:
+    """The backward of ``op``: torch's autograd of the op itself, its forward recomputed (the op's own
+    ``register_autograd`` rule when it has one, else torch's error)."""
+
+    def vjp(*args: Any) -> tuple:
+        *inputs, grad = args
+        wrt = _differentiable_inputs(tuple(inputs))
+        with torch.enable_grad():
+            leaves = [a.detach().requires_grad_() if i in wrt else a for i, a in enumerate(inputs)]
+            out = op(*leaves)
+            grads = torch.autograd.grad(out, [leaves[i] for i in wrt], grad, allow_unused=True)
+        by_index = dict(zip(wrt, grads))
+        return tuple(by_index.get(i) if by_index.get(i) is not None else torch.zeros_like(inputs[i]) for i in wrt)
+
+    return vjp
+
+
+@installer("thunder-fix", "a torch custom op (torch.library.custom_op) in a program runs, forward and backward")
+def run_torch_custom_ops() -> None:
+    """``torch.ops.ns.op(...)`` of a ``torch.library.custom_op`` in a jitted program raises ``RuntimeError:
+    ns.op is not registered. Register its custom_op output with thunder.torch.register_custom_op`` in thunder
+    0.2.6, which has no such public function (transformers' MoE experts call ``transformers::
+    grouped_mm_fallback``). On its first call such an op becomes a thunder operator: its meta is the op's
+    fake implementation, it runs as the op, and its backward is torch's autograd of the op (its own
+    ``register_autograd`` rule), its forward recomputed. Only positional tensor and non-tensor arguments and a
+    single tensor output are handled; other custom ops still raise thunder's error."""
+    from thunder.core import jit_ext
+    from thunder.core.proxies import TensorProxy as Proxy_
+    from thunder.torch.custom_op import _get_meta_function_from
+
+    executor = OperatorExecutor("torch_custom_ops")
+    register_executor(executor)
+    add_always_executor(executor)
+    lookasides = jit_ext._general_jit_lookaside_map
+    previous = lookasides[torch._ops.OpOverloadPacket.__call__]
+
+    def make_symbol(packet: Any, opdef: Any) -> Any:
+        name = f"{packet._qualified_op_name.replace('::', '_')}"
+        forward = executor.register_operator(name, meta=_get_meta_function_from(opdef), fn=packet)
+
+        def vjp_meta(*args: Any) -> tuple:
+            *inputs, _ = args
+            return tuple(Proxy_(like=a) for a in inputs if isinstance(a, Proxy_) and dtypes.is_float_dtype(a.dtype))
+
+        backward = executor.register_operator(f"{name}_vjp", meta=vjp_meta, fn=_custom_op_vjp(packet))
+
+        def grad_rule(*args: Any) -> Any:
+            out = forward(*args)
+            grads = backward(*args, get_grad(out))
+            floating = [a for a in args if isinstance(a, Proxy_) and dtypes.is_float_dtype(a.dtype)]
+            for a, g in zip(floating, grads):
+                put_grad(a, g)
+            return out
+
+        register_grad(forward, grad_rule)
+        return forward
+
+    def call(packet_wrapper: Any, *args: Any, **kwargs: Any) -> Any:
+        import inspect
+
+        from thunder.core import interpreter
+        from torch._library.custom_ops import OPDEFS
+
+        packet = interpreter.unwrap(packet_wrapper)
+        opdef = OPDEFS.get(getattr(packet, "_qualified_op_name", ""))
+        if opdef is None or opdef._abstract_fn is None:
+            return previous(packet_wrapper, *args, **kwargs)
+        mapped = ltorch._torch_to_thunder_function_map
+        if packet not in mapped:
+            mapped[packet] = make_symbol(packet, opdef)
+        bound = inspect.signature(opdef._init_fn).bind(*args, **kwargs)  # positional, as the grad rule takes them
+        bound.apply_defaults()
+        return previous(packet_wrapper, *bound.args)
+
+    expects = expects_function("thunder.core.jit_ext", "wrapped_opoverload_packet")
+    patch(lookasides, torch._ops.OpOverloadPacket.__call__, call, table=JIT_LOOKASIDES, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ``x.requires_grad`` of a value the program computes
+# ---------------------------------------------------------------------------------------------------------
+#: thunder symbols whose outputs never require grad, whatever their inputs
+_NO_GRADIENT_SYMBOLS = frozenset({"detach", "stop_gradient"})
+
+
+def computed_requires_grad(trace: Any, proxy: Any) -> bool:
+    """Whether ``proxy`` requires grad as autograd would have it: computed (in ``trace``, as traced so far) under
+    grad mode from a value that requires grad, and of a floating or complex dtype."""
+    grad_enabled = torch.is_grad_enabled()  # the caller's mode: thunder records changes as symbols
+    needs = set()
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id == "set_grad_enabled" or bsym.sym.name == "_set_grad_enabled_with_warning":
+            grad_enabled = bool(pyval(bsym.args[0]))
+            continue
+        if not grad_enabled or bsym.sym.name in _NO_GRADIENT_SYMBOLS:
+            continue
+        if any(isinstance(a, TensorProxy) and (a.requires_grad or a.name in needs) for a in bsym.flat_proxy_args):
+            needs.update(
+                o.name
+                for o in bsym.flat_proxy_outs
+                if isinstance(o, TensorProxy) and (dtypes.is_float_dtype(o.dtype) or dtypes.is_complex_dtype(o.dtype))
+            )
+    return proxy.name in needs
+
+
+@installer("thunder-fix", "x.requires_grad of a value the program computes is autograd's answer, not False")
+def answer_requires_grad_of_computed_values() -> None:
+    """Inside a jitted program thunder 0.2.6 answers ``x.requires_grad`` with False for every value the program
+    computes (``x.view(-1).requires_grad``, ``F.linear(x, w).requires_grad``, ... where eager says True), so code
+    that branches on it takes eager's no-grad path: transformers' MoE tensor parallelism skips its
+    gradient all-reduce (``_AllReduceBackward.apply`` returns its input unless it requires grad) and Mixtral's
+    gradients come out wrong. A read of ``requires_grad`` on a computed value is answered from the trace so
+    far (grad mode, inputs, dtype), as autograd would; an input's own flag is kept."""
+    from thunder.core import interpreter, jit_ext
+
+    lookasides = jit_ext._general_jit_lookaside_map
+    previous_getattr = lookasides[getattr]
+
+    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
+        value = previous_getattr(obj, name, *maybe_default)
+        if interpreter.unwrap(name) != "requires_grad" or value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
+            return value
+        proxy = interpreter.unwrap(obj)
+        if not isinstance(proxy, TensorProxy) or interpreter.unwrap(value) or proxy.requires_grad:
+            return value
+        if not computed_requires_grad(jit_ext.get_jit_ctx().computation_trace, proxy):
+            return value
+        record = interpreter.ProvenanceRecord(
+            interpreter.PseudoInst.LOOKASIDE, inputs=[interpreter.wrap_const(getattr).provenance, obj.provenance]
+        )
+        return interpreter.wrap(True, provenance=record)
+
+    expects = expects_function(("thunder", "thunder_dtensor"), "obj", "name")  # thunder's, or ours over it
+    patch(lookasides, getattr, getattr_lookaside, table=JIT_LOOKASIDES, expects=expects)

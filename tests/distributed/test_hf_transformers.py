@@ -26,7 +26,7 @@ _COMMON = dict(
     vocab_size=128,
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=2,
+    num_hidden_layers=1,  # (every layer the same: one keeps the suite's time budget)
     num_attention_heads=4,
     num_key_value_heads=4,  # divisible by 2 and 4 ranks
     max_position_embeddings=64,
@@ -85,13 +85,15 @@ def _compile(model: torch.nn.Module, frontend: str) -> Callable:
 
 
 def _cases() -> list:
-    # at 4 ranks only the MoE under thunder.jit (local experts, all-reduces in custom Functions): the time budget
+    # the suite's time budget: at 4 ranks only the MoE under thunder.jit (local experts, all-reduces in custom
+    # Functions); Qwen3 under thunderfx (dynamo runs its hooks itself) was measured, not kept in the suite
     return [
         pytest.param(
             name, frontend, marks=[pytest.mark.world_size(2, 4)] if (name, frontend) == ("mixtral", "jit") else []
         )
         for name in CONFIGS
         for frontend in ("jit", "thunderfx", "eager")
+        if (name, frontend) != ("qwen3", "thunderfx")
     ]
 
 

@@ -700,6 +700,11 @@ def _differentiable_inputs(args: tuple) -> list[int]:
     return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dtype.is_floating_point]
 
 
+def _floating_proxies(args: Any) -> list:
+    """The arguments a custom op's gradients are for, in order (as :func:`_differentiable_inputs` at run time)."""
+    return [a for a in args if isinstance(a, TensorProxy) and dtypes.is_float_dtype(a.dtype)]
+
+
 def _custom_op_vjp(op: Any) -> Callable:
     """The backward of ``op``: torch's autograd of the op itself, its forward recomputed (the op's own
     ``register_autograd`` rule when it has one, else torch's error)."""
@@ -711,8 +716,7 @@ def _custom_op_vjp(op: Any) -> Callable:
             leaves = [a.detach().requires_grad_() if i in wrt else a for i, a in enumerate(inputs)]
             out = op(*leaves)
             grads = torch.autograd.grad(out, [leaves[i] for i in wrt], grad, allow_unused=True)
-        by_index = dict(zip(wrt, grads))
-        return tuple(by_index.get(i) if by_index.get(i) is not None else torch.zeros_like(inputs[i]) for i in wrt)
+        return tuple(torch.zeros_like(inputs[i]) if g is None else g for i, g in zip(wrt, grads))
 
     return vjp
 
@@ -724,10 +728,10 @@ def run_torch_custom_ops() -> None:
     0.2.6, which has no such public function (transformers' MoE experts call ``transformers::
     grouped_mm_fallback``). On its first call such an op becomes a thunder operator: its meta is the op's
     fake implementation, it runs as the op, and its backward is torch's autograd of the op (its own
-    ``register_autograd`` rule), its forward recomputed. Only positional tensor and non-tensor arguments and a
-    single tensor output are handled; other custom ops still raise thunder's error."""
+    ``register_autograd`` rule), its forward recomputed. Keyword arguments are passed by position (the grad
+    rule takes them so); an op without a fake implementation still raises thunder's error, and the backward
+    of an op with several outputs raises torch's."""
     from thunder.core import jit_ext
-    from thunder.core.proxies import TensorProxy as Proxy_
     from thunder.torch.custom_op import _get_meta_function_from
 
     executor = OperatorExecutor("torch_custom_ops")
@@ -737,20 +741,19 @@ def run_torch_custom_ops() -> None:
     previous = lookasides[torch._ops.OpOverloadPacket.__call__]
 
     def make_symbol(packet: Any, opdef: Any) -> Any:
-        name = f"{packet._qualified_op_name.replace('::', '_')}"
+        name = packet._qualified_op_name.replace("::", "_")
         forward = executor.register_operator(name, meta=_get_meta_function_from(opdef), fn=packet)
 
         def vjp_meta(*args: Any) -> tuple:
             *inputs, _ = args
-            return tuple(Proxy_(like=a) for a in inputs if isinstance(a, Proxy_) and dtypes.is_float_dtype(a.dtype))
+            return tuple(TensorProxy(like=a) for a in _floating_proxies(inputs))
 
         backward = executor.register_operator(f"{name}_vjp", meta=vjp_meta, fn=_custom_op_vjp(packet))
 
         def grad_rule(*args: Any) -> Any:
             out = forward(*args)
             grads = backward(*args, get_grad(out))
-            floating = [a for a in args if isinstance(a, Proxy_) and dtypes.is_float_dtype(a.dtype)]
-            for a, g in zip(floating, grads):
+            for a, g in zip(_floating_proxies(args), grads):
                 put_grad(a, g)
             return out
 

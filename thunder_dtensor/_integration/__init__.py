@@ -38,6 +38,9 @@ What is patched, and why:
   (``fix_complex_gradients``).
 * ``torch.nn.attention.sdpa_kernel`` runs as a trace-time no-op with a feasibility check
   (``install_sdpa_kernel_support``).
+* What model libraries do inside a forward, which thunder 0.2.6 gets wrong for plain tensors too
+  (``thunder_fixes``: gradient hooks on parameters, meta strides, torch custom ops, ``requires_grad`` of
+  computed values, tensors saved for the backward then written in place, ...).
 * FSDP2's forward hooks become lookasides and managed parameter reads become unshard prims
   (``install_fsdp_support``).
 * thunder's interpreter runs ``x[k]``, ``k in x``, unpacking, global name lookups, bound-method calls and the

@@ -1,5 +1,7 @@
 """Fixes to thunder that are not about DTensors (kind ``thunder-fix``; ``THUNDER_DTENSOR_THUNDER_FIXES=0``
-turns them off): complex gradients, ``sdpa_kernel`` in jitted code, autocast scoped to each call."""
+turns them off): complex gradients, ``sdpa_kernel`` in jitted code, autocast scoped to each call, custom
+``autograd.Function``s on torch >= 2.14, and what model libraries (transformers 5.x) do inside a forward.
+docs/architecture.md, "Thunder fixes that are not about DTensors", gives each one's plain-tensor reproducer."""
 
 from __future__ import annotations
 

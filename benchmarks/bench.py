@@ -263,6 +263,202 @@ class LimitBlock:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Workload 4: FSDP2 over a stack of LayerNorm + MLP blocks, and its hand-written limit
+# ---------------------------------------------------------------------------------------------------------
+
+
+class FSDPBlock(nn.Module):
+    """x + fc2(gelu(fc1(LayerNorm(x)))) on plain tensors: FSDP2 shards its parameters, not its activations."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class FSDPStack(nn.Module):
+    def __init__(self, hidden: int, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([FSDPBlock(hidden) for _ in range(blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _padded_rows(rows: int, world: int) -> int:
+    return -(-rows // world)
+
+
+def _gather_block(shard: torch.Tensor, shapes: list, group: Any, world: int) -> list[torch.Tensor]:
+    """The block's parameters whole, from each rank's flat shard (FSDP2's layout: dim-0 chunks, padded)."""
+    gathered = shard.new_empty((world * shard.numel(),))
+    dist.all_gather_into_tensor(gathered, shard, group=group)
+    gathered = gathered.view(world, -1)
+    params, offset = [], 0
+    for shape in shapes:
+        rows = _padded_rows(shape[0], world)
+        n = rows * int(torch.Size(shape[1:]).numel())
+        params.append(gathered[:, offset : offset + n].reshape(world * rows, *shape[1:])[: shape[0]])
+        offset += n
+    return params
+
+
+def _reduce_scatter_block(grads: list[torch.Tensor], group: Any, world: int) -> torch.Tensor:
+    """This rank's flat shard of the gradients, averaged over the ranks (FSDP2's reduce-scatter)."""
+    columns = []
+    for g in grads:
+        padded = g.new_zeros((world * _padded_rows(g.shape[0], world), *g.shape[1:]))
+        padded[: g.shape[0]].copy_(g)
+        columns.append(padded.view(world, -1))
+    flat = torch.cat(columns, dim=1).view(-1)
+    out = flat.new_empty((flat.numel() // world,))
+    dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.AVG, group=group)
+    return out
+
+
+class _LimitFSDPBlockFn(torch.autograd.Function):
+    """One FSDP2 block by hand: all-gather of the flat shard, the block's math with a hand-written backward,
+    the parameters freed after the forward and gathered again in the backward, one reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, shard, shapes, group, world, eps):  # noqa: ANN001, ANN205
+        ln_w, ln_b, w1, b1, w2, b2 = _gather_block(shard, shapes, group, world)
+        hidden = x.shape[-1]
+        z, mean, rstd = torch.ops.aten.native_layer_norm(x, [hidden], ln_w, ln_b, eps)
+        a = F.linear(z, w1, b1)
+        g = F.gelu(a)
+        ctx.save_for_backward(x, shard, mean, rstd, z, a, g)
+        ctx.shapes, ctx.group, ctx.world = shapes, group, world
+        return x + F.linear(g, w2, b2)
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: ANN001, ANN205
+        x, shard, mean, rstd, z, a, g = ctx.saved_tensors
+        ln_w, ln_b, w1, _b1, w2, _b2 = _gather_block(shard, ctx.shapes, ctx.group, ctx.world)
+        hidden = x.shape[-1]
+        dw2, db2 = dout.t() @ g, dout.sum(0)
+        da = torch.ops.aten.gelu_backward(dout @ w2, a)
+        dw1, db1 = da.t() @ z, da.sum(0)
+        dx, dln_w, dln_b = torch.ops.aten.native_layer_norm_backward(
+            da @ w1, x, [hidden], mean, rstd, ln_w, ln_b, [True, True, True]
+        )
+        shard_grad = _reduce_scatter_block([dln_w, dln_b, dw1, db1, dw2, db2], ctx.group, ctx.world)
+        return dx + dout, shard_grad, None, None, None, None
+
+
+class LimitFSDP:
+    """Each block's parameters as one flat shard per rank (FSDP2's layout), cut from the full model."""
+
+    def __init__(self, full: FSDPStack, mesh: Any) -> None:
+        self.group, self.world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        self.shapes, self.params, self.eps = [], [], full.blocks[0].norm.eps
+        for block in full.blocks:
+            tensors = [p.detach() for p in block.parameters()]  # norm, fc1, fc2: FSDP2's order too
+            pieces = []
+            for t in tensors:
+                rows = _padded_rows(t.shape[0], self.world)
+                padded = t.new_zeros((rows, *t.shape[1:]))
+                mine = t[rank * rows : (rank + 1) * rows]
+                padded[: mine.shape[0]].copy_(mine)
+                pieces.append(padded.view(-1))
+            self.shapes.append([tuple(t.shape) for t in tensors])
+            self.params.append(nn.Parameter(torch.cat(pieces)))
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.params
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for shard, shapes in zip(self.params, self.shapes):
+            x = _LimitFSDPBlockFn.apply(x, shard, shapes, self.group, self.world, self.eps)
+        return x
+
+    def loss(self, out: torch.Tensor, _target: Any = None) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    def check_against(self, eager_model: nn.Module, eager_loss: torch.Tensor, limit_loss: torch.Tensor) -> None:
+        """Loss and every gradient shard (this rank's rows) equal eager FSDP2's; raises otherwise."""
+        torch.testing.assert_close(limit_loss.detach(), eager_loss.detach(), **LIMIT_TOL, msg=lambda m: f"loss: {m}")
+        rank = dist.get_rank(self.group)
+        for b, (block, flat, shapes) in enumerate(zip(eager_model.blocks, self.params, self.shapes)):
+            offset = 0
+            for (name, p), shape in zip(block.named_parameters(), shapes):
+                rows = _padded_rows(shape[0], self.world)
+                n = rows * int(torch.Size(shape[1:]).numel())
+                mine = flat.grad[offset : offset + n].view(rows, *shape[1:])
+                offset += n
+                valid = max(0, min(rows, shape[0] - rank * rows))
+                torch.testing.assert_close(
+                    mine[:valid], p.grad.to_local(), **LIMIT_TOL, msg=lambda m, n=f"blocks.{b}.{name}": f"{n}: {m}"
+                )
+
+
+def fsdp_workload(size: str) -> Workload:
+    hidden, blocks, tokens = FSDP_SIZES[size]
+    _return_freed_memory_to_the_os()
+    mesh, dev = mesh_1d(), device_type()
+    torch.manual_seed(0)
+    full = FSDPStack(hidden, blocks).to(dev)
+    # data parallel: each rank its own batch
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(10 + dist.get_rank())).to(dev)
+
+    def make_model() -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        model = copy.deepcopy(full)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    return Workload(
+        "fsdp",
+        size,
+        f"FSDP2 (per-block fully_shard + root), {blocks} LayerNorm+MLP blocks, H={hidden}, {tokens} tokens per rank",
+        make_model,
+        (x,),
+        None,
+        block_loss,
+        lambda: LimitFSDP(full, mesh),
+        measure_memory=True,
+    )
+
+
+def _return_freed_memory_to_the_os() -> None:
+    """glibc keeps freed large blocks for reuse unless they were mmapped; a fixed mmap threshold of 64 KiB makes
+    every tensor of that size or more its own mapping, so the RSS high-water mark follows the live tensors."""
+    if device_type() != "cpu":
+        return
+    try:
+        import ctypes
+
+        m_mmap_threshold = -3
+        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 * 1024)
+    except OSError:  # not glibc: the high-water mark then includes what the allocator keeps
+        pass
+
+
+def _rss_peak_reset() -> float | None:
+    """Reset this process's RSS high-water mark (Linux); returns the current RSS in MiB (None elsewhere)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _proc_status_mb("VmRSS")
+    except OSError:
+        return None
+
+
+def _proc_status_mb(key: str) -> float | None:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Workloads
 # ---------------------------------------------------------------------------------------------------------
 
@@ -278,7 +474,9 @@ class Workload:
     inputs: tuple
     target: Any
     loss: Callable[[Any, Any], torch.Tensor]
-    make_limit: Callable[[], LimitBlock] | None = None
+    make_limit: Callable[[], Any] | None = None
+    #: report each variant's peak memory during a step (CPU: RSS high-water mark over the warm-up steps)
+    measure_memory: bool = False
 
 
 def block_workload(hidden: int) -> Workload:
@@ -312,6 +510,8 @@ LLAMA_SIZES = {
     "test": (LlamaConfig(layers=1), 2),  # tests/distributed/test_llama.py's size
     "large": (LlamaConfig(dim=256, seq=64, heads=8, kv_heads=4, ffn_hidden=768, layers=1), 2),
 }
+#: (hidden, blocks, tokens per rank) per size
+FSDP_SIZES = {"256": (256, 4, 512), "512": (512, 6, 512)}
 #: rough wall seconds of each workload size (first calls + rounds) on 2 idle CPU cores, for the time guard
 EXPECTED_S = {
     ("block", "64"): 40.0,  # (the first torch.compile of the process also starts inductor's compile workers)
@@ -321,6 +521,8 @@ EXPECTED_S = {
     ("gpt", "large"): 75.0,
     ("llama", "test"): 55.0,
     ("llama", "large"): 55.0,
+    ("fsdp", "256"): 60.0,
+    ("fsdp", "512"): 90.0,
 }
 #: the order the sizes run in: if the time guard has to skip some, the ones that matter least go first
 PRIORITY = [
@@ -331,6 +533,8 @@ PRIORITY = [
     ("block", "256"),
     ("gpt", "large"),
     ("llama", "large"),
+    ("fsdp", "256"),  # last: it makes glibc return freed memory to the OS (mallopt), which slows later steps
+    ("fsdp", "512"),
 ]
 
 
@@ -382,6 +586,7 @@ WORKLOADS: dict[str, tuple[tuple[str, ...], Callable[[str], Workload]]] = {
     "block": (("64", "256", "1024"), lambda s: block_workload(int(s))),
     "gpt": (("test", "large"), gpt_workload),
     "llama": (("test", "large"), llama_workload),
+    "fsdp": (tuple(FSDP_SIZES), fsdp_workload),
 }
 
 
@@ -572,6 +777,8 @@ def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_
     for r in live:
         _cuda_peak_reset()
         resident = torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
+        gc.collect()
+        rss_before = _rss_peak_reset() if w.measure_memory and not torch.cuda.is_available() else None
         times, err = [], None
         for _ in range(warmup):
             seconds, _loss, err = timed_step(r)
@@ -582,6 +789,8 @@ def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_
         if torch.cuda.is_available():
             r.extra["peak_mem_mb"] = _cuda_peak_mb()
             r.extra["resident_mem_mb"] = resident
+        elif rss_before is not None:  # what a step adds to the process, at its peak; the max over ranks
+            (r.extra["peak_step_mem_mb"],) = _max_over_ranks([(_proc_status_mb("VmHWM") or 0.0) - rss_before])
         if err:
             r.error, r.step = f"warm-up: {err}", None
             _log(f"  {r.name:14s} FAILED in warm-up: {r.error}")
@@ -738,9 +947,12 @@ def write_markdown(report: dict, path: Path) -> None:
         "",
     ]
     cuda = m["device"] == "cuda"
+    cpu_memory = any("peak_step_mem_mb" in e for r in report["results"] for e in r["variants"].values())
     header = "| workload | size | variant | median step ms | x eager | x torch.compile | x limit | first call s |"
     if cuda:
         header += " peak mem MB |"
+    elif cpu_memory:
+        header += " step peak RSS MB | x eager |"
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     notes = []
     for res in report["results"]:
@@ -759,6 +971,10 @@ def write_markdown(report: dict, path: Path) -> None:
                 ]
             if cuda:
                 row.append(_fmt(e.get("peak_mem_mb"), ".1f"))
+            elif cpu_memory:
+                peak, eager_peak = e.get("peak_step_mem_mb"), res["variants"].get("eager", {}).get("peak_step_mem_mb")
+                ratio = peak / eager_peak if peak is not None and eager_peak else None
+                row += [_fmt(peak, ".1f") if peak is not None else "", _fmt(ratio, ".2f") if ratio else ""]
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Sizes:", ""]
     lines += [f"- {r['workload']} {r['size']}: {r['description']}; {r['rounds']} rounds" for r in report["results"]]

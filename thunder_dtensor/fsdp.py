@@ -1,54 +1,102 @@
-"""FSDP2 (``fully_shard``) over tensor-parallel modules under ``thunder.jit``.
+"""FSDP2 (``fully_shard``) under ``thunder.jit``: plain and tensor-parallel parameters, HSDP, mixed precision,
+resharding after forward and gradient accumulation without sync.
 
-FSDP2 keeps each parameter sharded over the data-parallel mesh dim and, in its forward pre-hook, swaps in
-the unsharded parameter (an all-gather over dp; with tensor parallelism, a DTensor on the tp mesh with the
-TP placements: ``FSDPParam.unsharded_param``). After the backward it reduce-scatters that parameter's
-gradient over dp, averaged, into ``sharded_param.grad`` (the sharded parameter's spec).
+FSDP2 keeps each parameter sharded (dim 0) over the data-parallel ranks. In a module's forward pre-hook it
+all-gathers the module's parameters at once (one collective per ``fully_shard`` group) and swaps in the
+unsharded ones: plain tensors, or with tensor parallelism DTensors on the tp mesh. After the module's forward
+it frees them (``reshard_after_forward``, except on the root) and gathers them again for the backward. After
+the backward it reduce-scatters the group's gradients (averaged; in ``reduce_dtype``; HSDP then all-reduces
+across replicas) into ``sharded_param.grad``, or, with ``set_requires_gradient_sync(False)``, keeps them
+unsharded until a backward with sync on.
 
 thunder's interpreter does not step into FSDP2's hooks (they key dicts by parameters, swap parameters on
-modules, register autograd functions and stream waits). Instead (``_integration.install_fsdp_support``):
+modules, register autograd functions and stream waits). Their lookasides (``_integration.install_fsdp_support``)
+put the same steps into the program instead:
 
-* the pre-forward hook runs FSDP2's lazy init once, outside the program, and records which parameters
-  FSDP2 manages; the post-forward hook does nothing (resharding, prefetching and streams change no value);
-* reading an FSDP-managed parameter from its module (``self.weight``) yields ``dtensor_fsdp_unshard_prim``
-  of the sharded parameter: the all-gather over dp, giving the DTensor FSDP2 computes with. Its gradient is
-  ``dtensor_fsdp_reduce_scatter_prim``: the reduce-scatter over dp with FSDP2's averaging, in the sharded
-  parameter's spec. The program's inputs stay the sharded parameters, so ``param.grad`` is FSDP2's.
+* the pre-forward runs FSDP2's lazy init once, outside the program; then, per group,
+  ``dtensor_fsdp_all_gather_prim`` of the group's sharded parameters (cast to ``param_dtype`` first), and
+  the inputs' cast of the mixed-precision policy. Until the post-forward, reading a parameter of the group
+  from its module (``self.weight``) gives the unsharded value; elsewhere it gives the sharded parameter, as
+  in eager FSDP2;
+* with ``reshard_after_forward`` the gathered values are marked for recomputation, so thunder's autodiff
+  saves the sharded parameters for the backward and gathers again where the backward first needs them;
+* the all-gather's gradient is ``dtensor_fsdp_reduce_scatter_prim`` of the group's trainable parameters;
+  with gradient sync off it is ``dtensor_fsdp_accumulate_prim`` instead, which keeps the unsharded
+  gradients (in ``reduce_dtype``) for the next reduce-scatter, and the parameters get no gradient;
+* the prologue checks each group's gradient-sync switches, so switching them retraces.
 
-One unshard per parameter and program (a parameter read twice is gathered once, its gradients summed
-before the reduce-scatter, as in FSDP2). The unsharded values live until the backward uses them (FSDP2
-with ``reshard_after_forward`` frees and re-gathers them): a memory difference, not a semantic one.
+The program's inputs stay the sharded parameters, so gradients land in ``param.grad`` as with FSDP2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError
-from thunder_dtensor.primitive import define_dtensor_prim, define_vjp
+from thunder_dtensor.guards import define_prologue_check
+from thunder_dtensor.primitive import define_dtensor_prim
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.spec import DTensorMeta, contiguous_stride
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["dtensor_fsdp_reduce_scatter_prim", "dtensor_fsdp_unshard_prim", "install"]
+__all__ = [
+    "dtensor_fsdp_accumulate_prim",
+    "dtensor_fsdp_all_gather_prim",
+    "dtensor_fsdp_reduce_scatter_prim",
+    "install",
+]
 
-#: id(sharded parameter) -> (a weak reference to it, its FSDP2 layout); filled by the pre-forward hook
-_MANAGED: dict[int, tuple[weakref.ref, ti.FSDPParamLayout]] = {}
-#: per trace being built: sharded parameter proxy name -> its unsharded proxy (one all-gather per parameter)
-_UNSHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: torch 2.13 renamed the flat collectives FSDP2 uses (the old names warn there)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_HINT = "compile the model with thunderfx (thunder.dynamo.thunderfx), which runs FSDP2's hooks eagerly"
+_NOT_LOWERED = "FSDP2's collectives on its own flat buffers (c10d)"
+
+#: id(sharded parameter) -> (a weak reference to it, id of its FSDP2 group, its index in the group)
+_MANAGED: dict[int, tuple[weakref.ref, int, int]] = {}
+#: FSDP2 group -> {parameter index: unsharded gradient} summed while gradient sync is off
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _padded_rows(rows: int, dp: int) -> int:
-    """Rows of each rank's shard in FSDP2's all-gather buffer: ``torch.chunk`` sizes, padded to the first."""
-    return -(-rows // dp)
+@dataclasses.dataclass
+class _Gathered:
+    """A group's all-gather in the trace being built; ``active`` while its module's forward runs (or, without
+    resharding, until the program ends)."""
+
+    outputs: tuple
+    active: bool = True
+
+
+@dataclasses.dataclass
+class _TraceState:
+    gathered: dict[int, _Gathered] = dataclasses.field(default_factory=dict)  # id(FSDP2 group) -> gather
+    groups_of_state: dict[int, list[tuple[int, bool]]] = dataclasses.field(default_factory=dict)
+
+
+_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace being built -> _TraceState
+
+
+def _trace_state() -> _TraceState:
+    return _TRACES.setdefault(ti.get_tracectx(), _TraceState())
+
+
+def _padded_rows(rows: int, world: int) -> int:
+    """Rows of each rank's shard in FSDP2's flat buffers: ``torch.chunk`` sizes, padded to the first."""
+    return -(-rows // world)
+
+
+def _local_rows(rows: int, world: int, rank: int) -> int:
+    chunk = _padded_rows(rows, world)
+    return max(0, min(chunk, rows - rank * chunk))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the unshard: all-gather over the data-parallel mesh dim
+# the all-gather of one group: every parameter's shard, padded, in one flat buffer
 # ---------------------------------------------------------------------------------------------------------
 def _contiguous_proxy(spec: Any, device: Any, requires_grad: bool) -> DTensorProxy:
     """A proxy of ``spec`` whose local shard is contiguous (what the collectives below produce)."""
@@ -57,116 +105,315 @@ def _contiguous_proxy(spec: Any, device: Any, requires_grad: bool) -> DTensorPro
     return DTensorProxy(meta=meta, device=device, requires_grad=requires_grad)
 
 
-def _unsharded_meta(sharded: DTensorProxy, tp_mesh: Any, tp_placements: tuple, dp_mesh_dim: int) -> DTensorProxy:
-    spec = ti.make_spec(tp_mesh, tuple(tp_placements), sharded.meta.spec.tensor_meta)
-    return _contiguous_proxy(spec, sharded.device, sharded.requires_grad)
+def _with_dtype(spec: Any, dtype: torch.dtype) -> Any:
+    return ti.make_spec(spec.mesh, tuple(spec.placements), spec.tensor_meta._replace(dtype=dtype))
 
 
-def _unshard(sharded: Any, tp_mesh: Any, tp_placements: tuple, dp_mesh_dim: int) -> Any:
-    """The sharded parameter's dp shards gathered (dim 0) into this rank's TP shard, as a DTensor on ``tp_mesh``."""
-    spec = ti.dtensor_spec(sharded)
-    mesh, meta = spec.mesh, spec.tensor_meta
-    dp = mesh.size(dp_mesh_dim)
-    rows = ti.local_shape_on(meta.shape, tp_mesh, tuple(tp_placements))[0]
-    chunk = _padded_rows(rows, dp)
-    local = ti.local_tensor(sharded)
-    padded = local.new_zeros((chunk, *local.shape[1:]))
-    padded[: local.shape[0]].copy_(local)
-    gathered = local.new_empty((chunk * dp, *local.shape[1:]))
-    dist.all_gather_single(gathered, padded, group=mesh.get_group(dp_mesh_dim))
-    tp_spec = ti.make_spec(tp_mesh, tuple(tp_placements), meta)
-    return ti.dtensor_from_local_unchecked(gathered[:rows], tp_spec)
+def _all_gather_meta(layout: ti.FSDPGroupLayout, *sharded: DTensorProxy) -> tuple:
+    outputs = []
+    for param, s in zip(layout.params, sharded):
+        dtype = layout.param_dtype or ti.dtypes.to_torch_dtype(s.dtype)
+        if param.unsharded_spec is not None:
+            outputs.append(_contiguous_proxy(_with_dtype(param.unsharded_spec, dtype), s.device, s.requires_grad))
+        else:
+            thunder_dtype = ti.dtypes.to_dtype(dtype)
+            outputs.append(
+                ti.TensorProxy(shape=s.shape, dtype=thunder_dtype, device=s.device, requires_grad=s.requires_grad)
+            )
+    return tuple(outputs)
 
 
-dtensor_fsdp_unshard_prim = define_dtensor_prim(
-    "fsdp_unshard", _unshard, meta=_unsharded_meta, not_lowered="FSDP2 collectives on its own buffers (c10d)"
+def _all_gather(layout: ti.FSDPGroupLayout, *sharded: Any) -> tuple:
+    """Each parameter of the group unsharded: its TP shard as a DTensor on the tp mesh, or a plain tensor."""
+    world = layout.shard_size
+    locals_ = [ti.local_tensor(s) for s in sharded]
+    dtype = layout.param_dtype or locals_[0].dtype
+    shapes = [_unsharded_local_shape(p, s) for p, s in zip(layout.params, sharded)]
+    pieces = []
+    for local, shape in zip(locals_, shapes):
+        padded = local.new_zeros((_padded_rows(shape[0], world), *shape[1:]), dtype=dtype)
+        padded[: local.shape[0]].copy_(local)
+        pieces.append(padded.view(-1))
+    flat = torch.cat(pieces)
+    gathered = flat.new_empty((world * flat.numel(),))
+    if world > 1:
+        _all_gather_single(gathered, flat, group=layout.shard_group)
+    else:
+        gathered.copy_(flat)
+    gathered = gathered.view(world, -1)
+    outputs, offset = [], 0
+    for param, piece, shape in zip(layout.params, pieces, shapes):
+        n = piece.numel()
+        full = gathered[:, offset : offset + n].reshape((world * _padded_rows(shape[0], world), *shape[1:]))
+        full = full[: shape[0]]
+        offset += n
+        if param.unsharded_spec is not None:
+            full = ti.dtensor_from_local_unchecked(full, _with_dtype(param.unsharded_spec, dtype))
+        outputs.append(full)
+    return tuple(outputs)
+
+
+def _unsharded_local_shape(param: ti.FSDPParamLayout, sharded: Any) -> tuple[int, ...]:
+    """This rank's shape of the unsharded parameter (its TP shard, or the whole tensor)."""
+    spec = param.unsharded_spec
+    if spec is None:
+        return tuple(int(s) for s in sharded.shape)
+    return ti.local_shape_on(tuple(spec.tensor_meta.shape), spec.mesh, tuple(spec.placements))
+
+
+dtensor_fsdp_all_gather_prim = define_dtensor_prim(
+    "fsdp_all_gather", _all_gather, meta=_all_gather_meta, differentiable=False, not_lowered=_NOT_LOWERED
 )
 
 
 # ---------------------------------------------------------------------------------------------------------
-# its gradient: reduce-scatter over the data-parallel mesh dim, averaged (FSDP2's default on fp32)
+# its gradient: one reduce-scatter of the group's trainable gradients (HSDP: then an all-reduce), averaged
 # ---------------------------------------------------------------------------------------------------------
-def _sharded_grad_spec(grad_spec: Any, mesh: Any, placements: tuple) -> Any:
-    """The sharded gradient's spec: the sharded parameter's (FSDP2's ``to_sharded_dtensor``), contiguous globally."""
-    shape = tuple(grad_spec.tensor_meta.shape)
-    return ti.spec_with_sizes(
-        ti.make_spec(mesh, tuple(placements), grad_spec.tensor_meta), shape, contiguous_stride(shape)
-    )
+def _sharded_grad_proxy(sharded_spec: Any, device: Any) -> DTensorProxy:
+    shape = tuple(sharded_spec.tensor_meta.shape)
+    return _contiguous_proxy(ti.spec_with_sizes(sharded_spec, shape, contiguous_stride(shape)), device, False)
 
 
-def _reduce_scatter_meta(
-    g: DTensorProxy, tp_placements: tuple, mesh: Any, placements: tuple, dp_mesh_dim: int
-) -> DTensorProxy:
-    return _contiguous_proxy(_sharded_grad_spec(g.meta.spec, mesh, placements), g.device, requires_grad=False)
+def _reduce_scatter_meta(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> tuple:
+    return tuple(_sharded_grad_proxy(layout.params[i].sharded_spec, g.device) for i, g in zip(indices, grads))
 
 
-def _reduce_scatter(g: Any, tp_placements: tuple, mesh: Any, placements: tuple, dp_mesh_dim: int) -> Any:
-    """The mean over dp of each rank's TP-shard gradient, scattered (dim 0) like the sharded parameter.
+def _unsharded_grad(param: ti.FSDPParamLayout, grad: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The local unsharded gradient in ``dtype``. A replicated weight's gradient may arrive ``Partial`` over tp
+    (sequence-parallel norms), which the trace cannot know, since it labels a cotangent with its value's spec:
+    as FSDP2 does, it is first brought to the unsharded parameter's placements."""
+    spec = param.unsharded_spec
+    if spec is not None:
+        if tuple(grad.placements) != tuple(spec.placements):
+            grad = grad.redistribute(grad.device_mesh, tuple(spec.placements))
+        grad = ti.local_tensor(grad)
+    return grad.to(dtype)
 
-    As FSDP2 does, the gradient is first brought to the unsharded parameter's placements: a replicated
-    weight's gradient may arrive ``Partial`` over tp (sequence-parallel norms), which the trace cannot know,
-    since it labels a cotangent with its value's spec.
-    """
-    if tuple(g.placements) != tuple(tp_placements):
-        g = g.redistribute(g.device_mesh, tuple(tp_placements))
-    local = ti.local_tensor(g).contiguous()
-    dp = mesh.size(dp_mesh_dim)
-    rows = local.shape[0]
-    chunk = _padded_rows(rows, dp)
-    padded = local.new_zeros((chunk * dp, *local.shape[1:]))
-    padded[:rows].copy_(local)
-    out = local.new_empty((chunk, *local.shape[1:]))
-    dist.reduce_scatter_single(out, padded, op=dist.ReduceOp.AVG, group=mesh.get_group(dp_mesh_dim))
-    mine = max(0, min(chunk, rows - mesh.get_local_rank(dp_mesh_dim) * chunk))
-    return ti.dtensor_from_local_unchecked(out[:mine], _sharded_grad_spec(ti.dtensor_spec(g), mesh, placements))
+
+def _reduce_dtype(layout: ti.FSDPGroupLayout, grads: tuple) -> torch.dtype:
+    return layout.reduce_dtype or grads[0].dtype
+
+
+def _reduce_scatter(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> tuple:
+    """The group's sharded gradients: each rank's unsharded gradients (plus those kept while sync was off),
+    reduced over the data-parallel ranks and scattered (dim 0) like the sharded parameters."""
+    world, rank = layout.shard_size, layout.shard_rank
+    dtype = _reduce_dtype(layout, grads)
+    pending = _PENDING.pop(layout.group(), {}) if layout.group() is not None else {}
+    columns, shapes = [], []
+    for i, g in zip(indices, grads):
+        local = _unsharded_grad(layout.params[i], g, dtype)
+        if i in pending:
+            local = pending[i] + local
+        padded = local.new_zeros((world * _padded_rows(local.shape[0], world), *local.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+        columns.append(padded.view(world, -1))
+        shapes.append(tuple(local.shape))
+    flat = torch.cat(columns, dim=1).view(-1)
+    op = dist.ReduceOp.SUM if layout.sum_then_divide else dist.ReduceOp.AVG
+    out = flat.new_empty((flat.numel() // world,))
+    if world > 1:
+        _reduce_scatter_single(out, flat, op=op, group=layout.shard_group)
+    else:
+        out.copy_(flat)
+    if layout.replicate_group is not None:
+        dist.all_reduce(out, op=op, group=layout.replicate_group)
+    if layout.sum_then_divide:
+        out.div_(layout.divide_factor)
+    results, offset = [], 0
+    for i, shape in zip(indices, shapes):
+        spec = layout.params[i].sharded_spec
+        chunk = _padded_rows(shape[0], world)
+        n = chunk * int(torch.Size(shape[1:]).numel())
+        mine = out[offset : offset + n].view((chunk, *shape[1:]))[: _local_rows(shape[0], world, rank)]
+        offset += n
+        local = mine.to(spec.tensor_meta.dtype)
+        shape_ = tuple(spec.tensor_meta.shape)
+        results.append(
+            ti.dtensor_from_local_unchecked(local, ti.spec_with_sizes(spec, shape_, contiguous_stride(shape_)))
+        )
+    return tuple(results)
 
 
 dtensor_fsdp_reduce_scatter_prim = define_dtensor_prim(
-    "fsdp_reduce_scatter",
-    _reduce_scatter,
-    meta=_reduce_scatter_meta,
-    differentiable=False,
-    not_lowered="FSDP2 collectives on its own buffers (c10d)",
+    "fsdp_reduce_scatter", _reduce_scatter, meta=_reduce_scatter_meta, differentiable=False, not_lowered=_NOT_LOWERED
 )
 
 
-@define_vjp(dtensor_fsdp_unshard_prim)
-def _unshard_vjp(g, out, sharded, tp_mesh, tp_placements, dp_mesh_dim):
-    placements = tuple(sharded.placements)
-    return (dtensor_fsdp_reduce_scatter_prim(g, tuple(tp_placements), sharded.device_mesh, placements, dp_mesh_dim),)
+def _accumulate_meta(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> None:
+    return None
+
+
+def _accumulate(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> None:
+    """Keep the group's unsharded gradients (summed, in ``reduce_dtype``) for the next reduce-scatter."""
+    group = layout.group()
+    if group is None:
+        return None
+    dtype = _reduce_dtype(layout, grads)
+    pending = _PENDING.setdefault(group, {})
+    for i, g in zip(indices, grads):
+        local = _unsharded_grad(layout.params[i], g, dtype)
+        pending[i] = pending[i] + local if i in pending else local.clone()
+    return None
+
+
+dtensor_fsdp_accumulate_prim = define_dtensor_prim(
+    "fsdp_accumulate",
+    _accumulate,
+    meta=_accumulate_meta,
+    differentiable=False,
+    tags=(ti.OpTags.DONT_DCE,),
+    not_lowered="keeps FSDP2's unsharded gradients while gradient sync is off",
+)
+
+
+def _all_gather_grad_rule(layout: ti.FSDPGroupLayout, *sharded: DTensorProxy) -> tuple:
+    outputs = dtensor_fsdp_all_gather_prim(layout, *sharded)
+    indices = tuple(i for i, s in enumerate(sharded) if s.requires_grad)
+    if not indices:
+        return outputs
+    cotangents = tuple(ti.get_grad(outputs[i]) for i in indices)
+    reduce_grads = ti.fsdp_gradient_switches(layout)[0]
+    if not reduce_grads:
+        dtensor_fsdp_accumulate_prim(layout, indices, *cotangents)
+        return outputs
+    grads = dtensor_fsdp_reduce_scatter_prim(layout, indices, *cotangents)
+    for i, grad in zip(indices, grads):
+        ti.put_grad(sharded[i], grad)
+    return outputs
+
+
+ti.register_grad(dtensor_fsdp_all_gather_prim, _all_gather_grad_rule)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the prologue's check of each group's gradient-sync switches (switching them retraces)
+# ---------------------------------------------------------------------------------------------------------
+def _check_switches_meta(layout: Any, expected: tuple) -> None:
+    ti.check(isinstance(expected, tuple), lambda: f"expected a tuple of switches, got {type(expected)}")
+
+
+def _check_switches_impl(layout: Any, expected: tuple) -> None:
+    actual = ti.fsdp_gradient_switches(layout)
+    if actual != expected:
+        raise RuntimeError(f"FSDP2 gradient-sync switches of {layout} changed: traced {expected}, now {actual}")
+
+
+_check_fsdp_switches, _run_check_fsdp_switches = define_prologue_check(
+    "check_fsdp_gradient_switches", _check_switches_meta, _check_switches_impl
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # the hooks (see _integration.install_fsdp_support)
 # ---------------------------------------------------------------------------------------------------------
-def _before_forward(state: Any) -> None:
-    """FSDP2's pre-forward, as far as a thunder program needs it: lazy init, and which parameters it manages."""
-    ti.fsdp_lazy_init(state)
-    for key in [key for key, (ref, _) in _MANAGED.items() if ref() is None]:
+def _read_attribute_path(module: Any, path: str) -> Any:
+    """``module.a.b.weight`` for ``path`` 'a.b.weight' (run by thunder's interpreter: the reads are traced)."""
+    value = module
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """FSDP2's mixed-precision cast of forward inputs / outputs (run by thunder's interpreter)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+
+
+def _refuse(layout: ti.FSDPGroupLayout, sharded: tuple, why: str) -> DTensorOpError:
+    return DTensorOpError(f"fsdp_all_gather of {layout}", tuple(sharded), {}, f"FSDP2 {why} is not supported", _HINT)
+
+
+def _gather_group(layout: ti.FSDPGroupLayout, sharded: tuple, module: Any, state: _TraceState) -> None:
+    """Put the group's all-gather in the program (at its module's pre-forward), once per forward of the module."""
+    key = id(layout.group())
+    for i, param in enumerate(sharded):
+        _MANAGED[id(param)] = (weakref.ref(param), key, i)
+    gathered = state.gathered.get(key)
+    if gathered is not None and gathered.active:  # already unsharded (a module without resharding, run again)
+        return
+    if layout.unsupported:
+        raise _refuse(layout, sharded, layout.unsupported)
+    switches = ti.fsdp_gradient_switches(layout)
+    if not switches[1] and layout.replicate_group is not None:
+        raise _refuse(layout, sharded, "set_requires_all_reduce(False) (HSDP without the all-reduce)")
+    if not switches[2]:
+        raise _refuse(layout, sharded, "set_reshard_after_backward(False) (parameters kept unsharded between steps)")
+    proxies = []
+    for param in layout.params:
+        value = ti.interpret_call(_read_attribute_path, module, ti.wrap_constant(param.path))
+        if ti.is_interpreter_exception(value):
+            raise RuntimeError(f"FSDP2 parameter {param.path} of {layout} cannot be read from its module")
+        proxies.append(ti.unwrap_value(value))
+    if not all(isinstance(p, DTensorProxy) for p in proxies):
+        raise _refuse(layout, tuple(proxies), "over parameters that are not DTensors")
+    outputs = dtensor_fsdp_all_gather_prim(layout, *proxies)
+    if layout.reshard_after_forward:  # freed after the forward, gathered again where the backward needs them
+        for out in outputs:
+            ti.mark_recomputed_in_backward(out)
+    state.gathered[key] = _Gathered(tuple(outputs))
+    ti.add_prologue_constraint(_run_check_fsdp_switches, layout, switches)
+
+
+def _before_forward(state_value: Any, module: Any, args: Any, kwargs: Any) -> Any:
+    """FSDP2's pre-forward in a thunder program: lazy init, each group's all-gather, the inputs' cast."""
+    fsdp_state = ti.unwrap_value(state_value)
+    ti.fsdp_lazy_init(fsdp_state)
+    for key in [key for key, (ref, _, _) in _MANAGED.items() if ref() is None]:
         del _MANAGED[key]
-    for param, layout in ti.fsdp_managed_params(state):
-        _MANAGED[id(param)] = (weakref.ref(param), layout)
+    trace_state = _trace_state()
+    groups = []
+    for layout, sharded in ti.fsdp_group_layouts(fsdp_state):
+        _gather_group(layout, sharded, module, trace_state)
+        groups.append((id(layout.group()), layout.reshard_after_forward))
+    trace_state.groups_of_state[id(fsdp_state)] = groups
+    dtype = ti.fsdp_mixed_precision_casts(fsdp_state)[0]
+    if dtype is None:
+        return ti.wrap_constant(None)
+    return ti.interpret_call(_cast_inputs, args, kwargs, ti.wrap_constant(dtype))
+
+
+def _after_forward(state_value: Any, output: Any) -> Any:
+    """FSDP2's post-forward in a thunder program: resharding (later reads give the sharded parameters), the
+    output's cast."""
+    fsdp_state = ti.unwrap_value(state_value)
+    trace_state = _trace_state()
+    for key, reshard in trace_state.groups_of_state.get(id(fsdp_state), ()):
+        if reshard and key in trace_state.gathered:
+            trace_state.gathered[key].active = False
+    dtype = ti.fsdp_mixed_precision_casts(fsdp_state)[1]
+    if dtype is None:
+        return ti.wrap_constant(None)
+    return ti.interpret_call(_cast_floating, output, ti.wrap_constant(dtype))
 
 
 def _parameter_read(real: torch.Tensor, proxy: Any) -> Any:
-    """The unsharded parameter for a read of an FSDP2-managed parameter from its module; None for other reads."""
+    """The unsharded value for a read of an FSDP2-managed parameter while its module's forward runs; None
+    (the sharded parameter, as eager FSDP2 has it) elsewhere."""
     entry = _MANAGED.get(id(real))
     if entry is None or entry[0]() is not real:
         return None
-    layout = entry[1]
-    if not layout.supported or not isinstance(proxy, DTensorProxy):
-        hint = "compile the model with thunderfx (thunder.dynamo.thunderfx), which runs FSDP2's hooks eagerly"
-        raise DTensorOpError("fsdp_unshard", (proxy,), {}, layout.why or "the parameter is not a DTensor", hint=hint)
-    trace = ti.get_tracectx()
-    cache = _UNSHARDED.setdefault(trace, {})
-    unsharded = cache.get(proxy.name)
-    if unsharded is None:
-        spec = layout.unsharded_spec
-        unsharded = dtensor_fsdp_unshard_prim(proxy, spec.mesh, tuple(spec.placements), layout.dp_mesh_dim)
-        cache[proxy.name] = unsharded
-    return unsharded
+    _, key, index = entry
+    gathered = _trace_state().gathered.get(key)
+    if gathered is None or not gathered.active:
+        return None
+    return gathered.outputs[index]
 
 
 def install() -> None:
     """Make ``thunder.jit`` run FSDP2 modules (see the module docstring)."""
-    ti.install_fsdp_support(before_forward=_before_forward, parameter_read=_parameter_read)
+    ti.install_fsdp_support(
+        before_forward=_before_forward, after_forward=_after_forward, parameter_read=_parameter_read
+    )

@@ -55,7 +55,7 @@ def _check_dtensor_spec_repr_impl(dtensor: Any, spec: Any, local: Any, expected:
         raise RuntimeError(f"DTensor input changed ({diff})")
 
 
-def _prologue_check(name: str, meta: Callable, impl: Callable) -> tuple[ti.Symbol, ti.Symbol]:
+def define_prologue_check(name: str, meta: Callable, impl: Callable) -> tuple[ti.Symbol, ti.Symbol]:
     """A check prim (never removed as dead code) and the executor operator that runs it.
 
     The prologue runs only thunder's python executor plus "always" executors, and keeps a symbol that already
@@ -67,7 +67,7 @@ def _prologue_check(name: str, meta: Callable, impl: Callable) -> tuple[ti.Symbo
     return prim, operator
 
 
-check_dtensor_spec_repr, _run_check_dtensor_spec_repr = _prologue_check(
+check_dtensor_spec_repr, _run_check_dtensor_spec_repr = define_prologue_check(
     "check_dtensor_spec_repr", _check_dtensor_spec_repr_meta, _check_dtensor_spec_repr_impl
 )
 
@@ -119,7 +119,7 @@ def _check_concrete_shape_impl(t: Any, expected: tuple) -> None:
 
 
 #: under cache="symbolic values", a plain tensor input of a DTensor program keeps its traced shape
-check_concrete_shape, _run_check_concrete_shape = _prologue_check(
+check_concrete_shape, _run_check_concrete_shape = define_prologue_check(
     "check_concrete_shape", _check_concrete_shape_meta, _check_concrete_shape_impl
 )
 

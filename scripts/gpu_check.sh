@@ -13,5 +13,6 @@ nproc=$(( ngpu >= 4 ? 4 : (ngpu >= 2 ? 2 : 1) ))
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 run="timeout 420 .venv/bin/torchrun --nproc-per-node $nproc --local-ranks-filter 0"
 $run -m pytest -q -p no:cacheprovider tests/distributed/test_seed.py tests/distributed/test_backward.py \
-  tests/distributed/test_retrace.py tests/distributed/test_executor.py tests/distributed/test_scalars_and_plain_tensors.py
+  tests/distributed/test_retrace.py tests/distributed/test_executor.py tests/distributed/test_scalars_and_plain_tensors.py \
+  tests/distributed/test_fsdp.py
 timeout 60 .venv/bin/torchrun --nproc-per-node "$nproc" --local-ranks-filter 0 examples/seed.py | tail -3

@@ -15,9 +15,9 @@ put the same steps into the program instead:
 
 * the pre-forward runs FSDP2's lazy init once, outside the program; then, per group,
   ``dtensor_fsdp_all_gather_prim`` of the group's sharded parameters (cast to ``param_dtype`` first), and
-  the inputs' cast of the mixed-precision policy. Until the post-forward, reading a parameter of the group
-  from its module (``self.weight``) gives the unsharded value; elsewhere it gives the sharded parameter, as
-  in eager FSDP2;
+  what FSDP2 does to the inputs (the root's move to its accelerator, the mixed-precision policy's cast).
+  Until the post-forward, reading a parameter of the group from its module (``self.weight``) gives the
+  unsharded value; elsewhere it gives the sharded parameter, as in eager FSDP2;
 * with ``reshard_after_forward`` the gathered values are marked for recomputation, so thunder's autodiff
   saves the sharded parameters for the backward and gathers again where the backward first needs them;
 * the all-gather's gradient is ``dtensor_fsdp_reduce_scatter_prim`` of the group's trainable parameters;
@@ -328,8 +328,26 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
-    return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+def _to_device(value: Any, device: torch.device) -> Any:
+    """FSDP2's move of the root's forward inputs to its accelerator (run by thunder's interpreter)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _prepare_inputs(args: tuple, kwargs: dict, device: Any, dtype: Any) -> tuple[tuple, dict]:
+    """What FSDP2's pre-forward does to the inputs: the root's move to its device, the policy's cast."""
+    if device is not None:
+        args, kwargs = _to_device(args, device), _to_device(kwargs, device)
+    if dtype is not None:
+        args, kwargs = _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+    return args, kwargs
 
 
 def _refuse(layout: ti.FSDPGroupLayout, sharded: tuple, why: str) -> DTensorOpError:
@@ -379,10 +397,10 @@ def _before_forward(state_value: Any, module: Any, args: Any, kwargs: Any) -> An
         _gather_group(layout, sharded, module, trace_state)
         groups.append((id(layout.group()), layout.reshard_after_forward))
     trace_state.groups_of_state[id(fsdp_state)] = groups
-    dtype = ti.fsdp_mixed_precision_casts(fsdp_state)[0]
-    if dtype is None:
+    device, dtype = ti.fsdp_input_device(fsdp_state), ti.fsdp_mixed_precision_casts(fsdp_state)[0]
+    if device is None and dtype is None:
         return ti.wrap_constant(None)
-    return ti.interpret_call(_cast_inputs, args, kwargs, ti.wrap_constant(dtype))
+    return ti.interpret_call(_prepare_inputs, args, kwargs, ti.wrap_constant(device), ti.wrap_constant(dtype))
 
 
 def _after_forward(state_value: Any, output: Any) -> Any:

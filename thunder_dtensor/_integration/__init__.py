@@ -41,8 +41,10 @@ What is patched, and why:
 * What model libraries do inside a forward, which thunder 0.2.6 gets wrong for plain tensors too
   (``thunder_fixes``: gradient hooks on parameters, meta strides, torch custom ops, ``requires_grad`` of
   computed values, tensors saved for the backward then written in place, ...).
-* FSDP2's forward hooks become lookasides and managed parameter reads become unshard prims
-  (``install_fsdp_support``).
+* FSDP2's forward hooks become lookasides that put its all-gathers and casts into the program, and reads of
+  its parameters inside a module's forward give the unsharded values (``install_fsdp_support``).
+* On CPU, ``gelu``, ``silu`` and ``layer_norm`` of plain tensors run and train with torch's kernels: an
+  executor first among thunder's default ones (``run_cpu_activations_and_norms_with_torch_kernels``).
 * thunder's interpreter runs ``x[k]``, ``k in x``, unpacking, global name lookups, bound-method calls and the
   merges of ``*args`` / ``**kwargs`` calls on exact builtin containers without interpreting its own helper
   functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time);
@@ -160,6 +162,7 @@ from thunder_dtensor._integration.fsdp import (
     add_prologue_constraint,
     fsdp_gradient_switches,
     fsdp_group_layouts,
+    fsdp_input_device,
     fsdp_lazy_init,
     fsdp_mixed_precision_casts,
     fsdp_state_hook_functions,
@@ -345,6 +348,7 @@ __all__ = [
     "from_trace",
     "fsdp_gradient_switches",
     "fsdp_group_layouts",
+    "fsdp_input_device",
     "fsdp_lazy_init",
     "fsdp_mixed_precision_casts",
     "fsdp_state_hook_functions",

@@ -22,7 +22,8 @@ import torch
 # lookasides that hand the state to fsdp.py, and a module attribute read that yields an FSDP-managed
 # (sharded) parameter is handed to fsdp.py too, which answers with the unsharded value while its module's
 # forward runs. Private torch names used here: ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState``
-# (``_pre_forward``, ``_post_forward``, ``_lazy_init``, ``_is_root``, ``_fsdp_param_groups``, ``_mp_policy``),
+# (``_pre_forward``, ``_post_forward``, ``_lazy_init``, ``_is_root``, ``_fsdp_param_groups``, ``_mp_policy``,
+# ``_device``, ``_modules``),
 # ``FSDPParamGroup`` (``fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``, ``reduce_grads``,
 # ``all_reduce_grads``, ``reshard_after_backward``, ``gradient_divide_factor``,
 # ``force_sum_reduction_for_comms``, ``_all_reduce_hook``, ``_module_fqn``), ``FSDPParam`` (``sharded_param``,
@@ -104,6 +105,13 @@ def fsdp_lazy_init(state: Any) -> None:
     """Run FSDP2's lazy init (what its first pre-forward does: root detection, shared state) if not done."""
     if state._is_root is None:
         state._lazy_init()
+
+
+def fsdp_input_device(state: Any) -> torch.device | None:
+    """The device the root state moves forward inputs to (FSDP2 does so on accelerators), or None."""
+    if not state._is_root or state._device.type == "cpu":
+        return None
+    return state._device
 
 
 def fsdp_mixed_precision_casts(state: Any) -> tuple[torch.dtype | None, torch.dtype | None]:

@@ -468,14 +468,16 @@ EAGER_KERNELS_EXECUTOR_NAME = "cpu_eager_kernels"
 
 
 def _on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
+    """Plain (not DTensor) floating-point CPU tensors only, every tensor argument on the same device."""
     from thunder.core import dtypes
     from thunder.core.proxies import TensorProxy
 
+    tensors = [x for x in (a, *args, *kwargs.values()) if isinstance(x, TensorProxy)]
     return (
-        isinstance(a, TensorProxy)
+        type(a) is TensorProxy
         and a.device.devicetype.name == "CPU"
         and dtypes.is_float_dtype(a.dtype)
-        and not any(isinstance(x, TensorProxy) and x.device != a.device for x in (*args, *kwargs.values()))
+        and all(type(x) is TensorProxy and x.device == a.device for x in tensors)
     )
 
 
@@ -505,7 +507,8 @@ def _eager_kernels_executor() -> Any:
         fn=lambda g, a, approximate: aten.gelu_backward(g, a, approximate=approximate),
     )
 
-    def gelu_grad(a: Any, approximate: str = "none") -> Any:
+    # the grad rules take their symbol's signature: thunderfx's splitter matches their parameters to its meta's
+    def gelu_grad(a: Any, /, *, approximate: str = "none") -> Any:
         out = gelu(a, approximate)
         put_grad(a, gelu_backward(get_grad(out), a, approximate))
         return out
@@ -513,7 +516,7 @@ def _eager_kernels_executor() -> Any:
     ex.register_implementation(
         ltorch.gelu,
         checker=_on_cpu,
-        execution_transform=lambda a, approximate="none": gelu(a, approximate),
+        execution_transform=lambda a, /, *, approximate="none": gelu(a, approximate),
         grad_transform=gelu_grad,
     )
 
@@ -522,13 +525,13 @@ def _eager_kernels_executor() -> Any:
         "cpu_silu_backward", meta=lambda g, a: TensorProxy(like=a), fn=aten.silu_backward
     )
 
-    def silu_grad(a: Any, inplace: bool = False) -> Any:
+    def silu_grad(a: Any, /, inplace: bool = False) -> Any:
         out = silu(a)
         put_grad(a, silu_backward(get_grad(out), a))
         return out
 
     ex.register_implementation(
-        ltorch.silu, checker=_on_cpu, execution_transform=lambda a, inplace=False: silu(a), grad_transform=silu_grad
+        ltorch.silu, checker=_on_cpu, execution_transform=lambda a, /, inplace=False: silu(a), grad_transform=silu_grad
     )
 
     def layer_norm_meta(a: Any, shape: tuple, weight: Any, bias: Any, eps: float) -> tuple:
@@ -556,11 +559,13 @@ def _eager_kernels_executor() -> Any:
     )
 
     def layer_norm_forward(
-        a: Any, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
+        a: Any, /, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
     ) -> Any:
         return layer_norm(a, tuple(normalized_shape), weight, bias, eps)[0]
 
-    def layer_norm_grad(a: Any, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    def layer_norm_grad(
+        a: Any, /, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
+    ) -> Any:
         shape = tuple(normalized_shape)
         out, mean, rstd = layer_norm(a, shape, weight, bias, eps)
         grads = layer_norm_backward(get_grad(out), a, shape, mean, rstd, weight, bias)

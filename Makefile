@@ -24,8 +24,9 @@ demo: setup
 
 test: test-unit test-dist2 test-dist4
 
+# the unit tests start many fresh interpreters (import checks): two workers, one file each at a time
 test-unit: setup
-	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+	$(PY) -m pytest tests/unit -q -p no:cacheprovider -n 2 --dist loadfile
 
 test-dist2: setup
 	$(RUN2) -m pytest tests/distributed -q -p no:cacheprovider

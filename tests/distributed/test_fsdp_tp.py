@@ -39,7 +39,7 @@ def _batch(step: int, cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("compiler", ["jit"])  # thunderfx: the bf16 recipe below, and test_fsdp.py (time budget)
 def test_fsdp_over_tensor_parallel_llama_trains_like_single_process(compiler):
     cfg = LlamaConfig(layers=1)
     mesh = mesh_2d()

@@ -85,12 +85,10 @@ def _compile(model: torch.nn.Module, frontend: str) -> Callable:
 
 
 def _cases() -> list:
-    # the suite's time budget: at 4 ranks only the MoE under thunder.jit (local experts, all-reduces in custom
-    # Functions); Qwen3 under thunderfx (dynamo runs its hooks itself) was measured, not kept in the suite
+    # the suite's time budget: 2 ranks only (every case passed at 4 ranks by hand, docs/tensor_parallel.md);
+    # Qwen3 under thunderfx (dynamo runs its hooks itself) was measured, not kept in the suite
     return [
-        pytest.param(
-            name, frontend, marks=[pytest.mark.world_size(2, 4)] if (name, frontend) == ("mixtral", "jit") else []
-        )
+        (name, frontend)
         for name in CONFIGS
         for frontend in ("jit", "thunderfx", "eager")
         if (name, frontend) != ("qwen3", "thunderfx")

@@ -315,36 +315,28 @@ def _read_attribute_path(module: Any, path: str) -> Any:
     return value
 
 
+def _map_tensors(value: Any, fn: Any) -> Any:
+    """``fn`` applied to every tensor in nested tuples, lists and dicts (run by thunder's interpreter)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """FSDP2's mixed-precision cast of forward inputs / outputs (run by thunder's interpreter)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple):
-        return tuple(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast_floating(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """FSDP2's move of the root's forward inputs to its accelerator (run by thunder's interpreter)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
+    """FSDP2's mixed-precision cast of forward inputs / outputs."""
+    return _map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
 
 
 def _prepare_inputs(args: tuple, kwargs: dict, device: Any, dtype: Any) -> tuple[tuple, dict]:
-    """What FSDP2's pre-forward does to the inputs: the root's move to its device, the policy's cast."""
+    """What FSDP2's pre-forward does to the inputs: the root's move to its accelerator, the policy's cast."""
     if device is not None:
-        args, kwargs = _to_device(args, device), _to_device(kwargs, device)
+        args, kwargs = _map_tensors(args, lambda t: t.to(device)), _map_tensors(kwargs, lambda t: t.to(device))
     if dtype is not None:
         args, kwargs = _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
     return args, kwargs

@@ -31,6 +31,7 @@ The program's inputs stay the sharded parameters, so gradients land in ``param.g
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import Any
 
@@ -123,18 +124,31 @@ def _all_gather_meta(layout: ti.FSDPGroupLayout, *sharded: DTensorProxy) -> tupl
     return tuple(outputs)
 
 
+def _rows_into(buffer: torch.Tensor, source: torch.Tensor, chunk: int, world: int) -> None:
+    """Copy ``source`` (rows, ...) into ``buffer`` viewed as (world, chunk, ...): rank r's chunk of rows in
+    ``buffer[r]`` (``torch.chunk``'s split), the padding zeroed; one pass, casting to ``buffer``'s dtype."""
+    rows, full = source.shape[0], min(source.shape[0] // chunk, world) if chunk else 0
+    if full:
+        buffer[:full].copy_(source[: full * chunk].view(full, chunk, *source.shape[1:]))
+    if full < world:
+        tail = rows - full * chunk
+        buffer[full, :tail].copy_(source[full * chunk :])
+        buffer[full, tail:].zero_()
+        buffer[full + 1 :].zero_()
+
+
 def _all_gather(layout: ti.FSDPGroupLayout, *sharded: Any) -> tuple:
     """Each parameter of the group unsharded: its TP shard as a DTensor on the tp mesh, or a plain tensor."""
     world = layout.shard_size
     locals_ = [ti.local_tensor(s) for s in sharded]
     dtype = layout.param_dtype or locals_[0].dtype
     shapes = [_unsharded_local_shape(p, s) for p, s in zip(layout.params, sharded)]
-    pieces = []
-    for local, shape in zip(locals_, shapes):
-        padded = local.new_zeros((_padded_rows(shape[0], world), *shape[1:]), dtype=dtype)
-        padded[: local.shape[0]].copy_(local)
-        pieces.append(padded.view(-1))
-    flat = torch.cat(pieces)
+    sizes = [_padded_rows(shape[0], world) * math.prod(shape[1:]) for shape in shapes]
+    flat = locals_[0].new_empty((sum(sizes),), dtype=dtype)
+    offset = 0
+    for local, shape, n in zip(locals_, shapes, sizes):  # this rank's shards, padded, in one buffer
+        _rows_into(flat[offset : offset + n].view(1, -1, *shape[1:]), local, n // max(math.prod(shape[1:]), 1), 1)
+        offset += n
     gathered = flat.new_empty((world * flat.numel(),))
     if world > 1:
         _all_gather_single(gathered, flat, group=layout.shard_group)
@@ -142,8 +156,7 @@ def _all_gather(layout: ti.FSDPGroupLayout, *sharded: Any) -> tuple:
         gathered.copy_(flat)
     gathered = gathered.view(world, -1)
     outputs, offset = [], 0
-    for param, piece, shape in zip(layout.params, pieces, shapes):
-        n = piece.numel()
+    for param, shape, n in zip(layout.params, shapes, sizes):
         full = gathered[:, offset : offset + n].reshape((world * _padded_rows(shape[0], world), *shape[1:]))
         full = full[: shape[0]]
         offset += n
@@ -178,8 +191,8 @@ def _reduce_scatter_meta(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any
     return tuple(_sharded_grad_proxy(layout.params[i].sharded_spec, g.device) for i, g in zip(indices, grads))
 
 
-def _unsharded_grad(param: ti.FSDPParamLayout, grad: Any, dtype: torch.dtype) -> torch.Tensor:
-    """The local unsharded gradient in ``dtype``. A replicated weight's gradient may arrive ``Partial`` over tp
+def _unsharded_grad(param: ti.FSDPParamLayout, grad: Any) -> torch.Tensor:
+    """The local unsharded gradient. A replicated weight's gradient may arrive ``Partial`` over tp
     (sequence-parallel norms), which the trace cannot know, since it labels a cotangent with its value's spec:
     as FSDP2 does, it is first brought to the unsharded parameter's placements."""
     spec = param.unsharded_spec
@@ -187,7 +200,7 @@ def _unsharded_grad(param: ti.FSDPParamLayout, grad: Any, dtype: torch.dtype) ->
         if tuple(grad.placements) != tuple(spec.placements):
             grad = grad.redistribute(grad.device_mesh, tuple(spec.placements))
         grad = ti.local_tensor(grad)
-    return grad.to(dtype)
+    return grad
 
 
 def _reduce_dtype(layout: ti.FSDPGroupLayout, grads: tuple) -> torch.dtype:
@@ -200,16 +213,20 @@ def _reduce_scatter(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> 
     world, rank = layout.shard_size, layout.shard_rank
     dtype = _reduce_dtype(layout, grads)
     pending = _PENDING.pop(layout.group(), {}) if layout.group() is not None else {}
-    columns, shapes = [], []
+    locals_ = []
     for i, g in zip(indices, grads):
-        local = _unsharded_grad(layout.params[i], g, dtype)
-        if i in pending:
-            local = pending[i] + local
-        padded = local.new_zeros((world * _padded_rows(local.shape[0], world), *local.shape[1:]))
-        padded[: local.shape[0]].copy_(local)
-        columns.append(padded.view(world, -1))
-        shapes.append(tuple(local.shape))
-    flat = torch.cat(columns, dim=1).view(-1)
+        local = _unsharded_grad(layout.params[i], g)
+        locals_.append(pending[i] + local if i in pending else local)
+    shapes = [tuple(local.shape) for local in locals_]
+    columns = [_padded_rows(shape[0], world) * math.prod(shape[1:]) for shape in shapes]
+    flat = locals_[0].new_empty((world, sum(columns)), dtype=dtype)
+    offset = 0
+    for local, shape, n in zip(locals_, shapes, columns):  # rank r's rows of every gradient in flat[r], padded
+        chunk = _padded_rows(shape[0], world)
+        _rows_into(flat[:, offset : offset + n].view(world, chunk, *shape[1:]), local, chunk, world)
+        offset += n
+    del locals_
+    flat = flat.view(-1)
     op = dist.ReduceOp.SUM if layout.sum_then_divide else dist.ReduceOp.AVG
     out = flat.new_empty((flat.numel() // world,))
     if world > 1:
@@ -252,8 +269,8 @@ def _accumulate(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> None
     dtype = _reduce_dtype(layout, grads)
     pending = _PENDING.setdefault(group, {})
     for i, g in zip(indices, grads):
-        local = _unsharded_grad(layout.params[i], g, dtype)
-        pending[i] = pending[i] + local if i in pending else local.clone()
+        local = _unsharded_grad(layout.params[i], g)
+        pending[i] = pending[i] + local if i in pending else local.to(dtype, copy=True)
     return None
 
 

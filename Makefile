@@ -67,7 +67,7 @@ bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/first_call.py
 	$(RUN2) benchmarks/bench.py --time-limit-s 420
-	$(RUN2) benchmarks/bench.py --workloads fsdp --variants eager,torch.compile,thunder_on,thunderfx_on,limit \
+	$(RUN2) benchmarks/bench.py --workloads fsdp --variants eager,torch.compile,thunder_on,thunderfx_on,limit,limit_compiled \
 		--out benchmarks/results/fsdp
 	$(RUN2) benchmarks/no_rule.py
 

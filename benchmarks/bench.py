@@ -67,7 +67,9 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
-VARIANTS = ("eager", "torch.compile", "thunder_off", "thunder_on", "limit")
+VARIANTS = ("eager", "torch.compile", "thunder_off", "thunder_on", "limit", "limit_compiled")
+#: the hand-written local program, run op by op and compiled: the limit is the faster of the two
+LIMITS = ("limit", "limit_compiled")
 BLOCK_TOKENS = 256
 #: limit vs eager DTensor (fp32; the limit sums in a different order)
 LIMIT_TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -196,6 +198,9 @@ class _LimitBlockFn(torch.autograd.Function):
 
 class LimitBlock:
     """Plain tensors: this rank's sequence shard of x and its shards of the weights (cut from the full block)."""
+
+    #: each rank's loss is its part of eager DTensor's Partial mean
+    loss_is_partial = True
 
     #: each parameter's gradient placement, the same as eager DTensor's (checked at start)
     GRAD_PLACEMENTS = {
@@ -354,6 +359,9 @@ class _LimitFSDPBlockFn(torch.autograd.Function):
 
 class LimitFSDP:
     """Each block's parameters as one flat shard per rank (FSDP2's layout), cut from the full model."""
+
+    #: data parallel: each rank's loss is its own batch's, as eager FSDP2's
+    loss_is_partial = False
 
     def __init__(self, full: FSDPStack, mesh: Any) -> None:
         self.group, self.world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
@@ -632,10 +640,17 @@ def _fresh_inductor() -> None:
 
 def build_runner(name: str, w: Workload) -> Runner:
     r = Runner(name)
-    if name == "limit":
+    if name in LIMITS:
         limit = w.make_limit()
+
+        def forward_and_loss() -> torch.Tensor:
+            return limit.loss(limit(*w.inputs), w.target)
+
+        if name == "limit_compiled":
+            _fresh_inductor()
+            forward_and_loss = torch.compile(forward_and_loss)
         r.model, r.params = limit, limit.parameters()
-        r.step = lambda: _backward(limit.loss(limit(*w.inputs), w.target))
+        r.step = lambda: _backward(forward_and_loss())
         return r
     model = w.make_model()
     if name == "eager":
@@ -706,7 +721,7 @@ def first_calls(w: Workload, names: list[str]) -> list[Runner]:
     """Build every variant and time its first call (trace / compile + the first step, max over ranks)."""
     runners = []
     for name in names:
-        if name == "limit" and w.make_limit is None:
+        if name in LIMITS and w.make_limit is None:
             continue
         try:
             r = build_runner(name, w)
@@ -730,7 +745,7 @@ def first_calls(w: Workload, names: list[str]) -> list[Runner]:
             _log(f"  {name:14s} FAILED: {r.error}")
         else:
             value = _full(loss.detach()).float()
-            if name == "limit":  # this rank's part of the mean (as eager's Partial loss): the full value is the sum
+            if name in LIMITS and r.model.loss_is_partial:  # this rank's part of eager's Partial loss: sum them
                 value = value.clone()
                 dist.all_reduce(value)
             r.first_loss = float(value)
@@ -743,25 +758,27 @@ def first_calls(w: Workload, names: list[str]) -> list[Runner]:
 
 
 def check_limit(runners: list[Runner]) -> None:
-    """The limit's loss and gradients equal eager DTensor's (from their first calls); else the limit is dropped."""
+    """Each limit's loss and gradients equal eager's (from their first calls); else that limit is dropped."""
     by = {r.name: r for r in runners}
-    limit, eager = by.get("limit"), by.get("eager")
-    if limit is None or limit.step is None:
-        return
-    err = None
-    if eager is None or eager.step is None:
-        err = "not checked against eager DTensor (eager not run or failed)"
-    else:
-        try:
-            limit.model.check_against(eager.model, eager.extra["loss_first"], limit.extra["loss_first"])
-        except AssertionError as e:
-            err = f"limit differs from eager DTensor: {_error(e)}"
-    if not _all_ranks_ok(err is None):
-        limit.error, limit.step = err or "limit check failed on another rank", None
-        _log(f"  limit          DROPPED: {limit.error}")
-    else:
-        limit.extra["checked_against_eager"] = True
-        _log("  limit          loss and gradients equal eager DTensor's (values and placements)")
+    eager = by.get("eager")
+    for name in LIMITS:
+        limit = by.get(name)
+        if limit is None or limit.step is None:
+            continue
+        err = None
+        if eager is None or eager.step is None:
+            err = "not checked against eager (eager not run or failed)"
+        else:
+            try:
+                limit.model.check_against(eager.model, eager.extra["loss_first"], limit.extra["loss_first"])
+            except AssertionError as e:
+                err = f"{name} differs from eager: {_error(e)}"
+        if not _all_ranks_ok(err is None):
+            limit.error, limit.step = err or f"{name} check failed on another rank", None
+            _log(f"  {name:14s} DROPPED: {limit.error}")
+        else:
+            limit.extra["checked_against_eager"] = True
+            _log(f"  {name:14s} loss and gradients equal eager's (values and placements)")
 
 
 def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_rounds: int, max_rounds: int) -> dict:
@@ -859,12 +876,15 @@ def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_
 def _add_ratios(results: dict) -> None:
     v = results["variants"]
     eager_loss = v.get("eager", {}).get("first_loss")
+    limits = [v[name]["median_ms"] for name in LIMITS if v.get(name, {}).get("median_ms")]
+    if limits:  # the limit is the faster of the hand-written program run op by op and compiled
+        results["limit_ms"] = min(limits)
     for name, base in (
         ("eager", "ratio_to_eager"),
         ("torch.compile", "ratio_to_torch_compile"),
         ("limit", "ratio_to_limit"),
     ):
-        ref = v.get(name, {}).get("median_ms")
+        ref = results.get("limit_ms") if name == "limit" else v.get(name, {}).get("median_ms")
         if not ref:
             continue
         for e in v.values():

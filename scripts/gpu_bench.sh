@@ -23,4 +23,7 @@ else
 fi
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 # the CUDA runs are faster than 2 CPU ranks: a larger timed budget per size, still well under 8 minutes
-timeout 450 .venv/bin/torchrun --nproc-per-node 1 benchmarks/bench.py --out "$out" --time-limit-s 400 "$@"
+timeout 360 .venv/bin/torchrun --nproc-per-node 1 benchmarks/bench.py --out "$out" --time-limit-s 320 "$@"
+# FSDP2 (a 1-rank mesh): eager FSDP2, torch.compile, thunderfx, thunder.jit and the limit, with peak memory
+timeout 120 .venv/bin/torchrun --nproc-per-node 1 benchmarks/bench.py --out "$out/fsdp" --workloads fsdp \
+  --variants eager,torch.compile,thunder_on,thunderfx_on,limit,limit_compiled --time-limit-s 100 "$@"

@@ -265,3 +265,34 @@ def test_cpu_activations_and_norms_train_with_torchs_kernels():
     compiled = thunderfx(fn)
     compiled(x).sum().backward()
     assert [r.info for info in compiled._backend.subgraph_infos for r in info.split_reasons] == []
+
+
+_ALIAS_ORDER_PROGRAM = """
+import thunder_dtensor, thunder, torch
+def fn(x, o):
+    y = x.clone()
+    y.sub_(o)
+    return torch.cat(y.split(6, dim=1)[::-1], dim=1)
+jfn = thunder.jit(fn)
+jfn(torch.randn(6, 8, 7, requires_grad=True), torch.randn(6, 8, 7))
+print(str(thunder.last_traces(jfn)[-1]).split("\\n", 1)[1])
+"""
+
+
+def test_alias_updates_do_not_depend_on_the_hash_seed():
+    """thunder orders the operands of an ``update_aliases`` line by iterating a set, so the program (in a DTensor
+    program: the order of its collectives) followed each process's hash seed, which differs between ranks; the
+    fuzzer's runs died of mismatched gloo collectives. With the fix the traces are the same under any seed (these
+    two seeds give different orders without it)."""
+    import os
+
+    traces = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        result = subprocess.run(
+            [sys.executable, "-c", _ALIAS_ORDER_PROGRAM], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        traces.append(result.stdout)
+    assert "update_aliases" in traces[0]
+    assert traces[0] == traces[1]

@@ -524,8 +524,21 @@ def keep_dtensors_in_alias_updates(
         with tracectx(trace):
             return new_alias(alias.proxy)
 
+    thunder_new_aliases = update_aliases._get_new_aliases
+
+    def in_name_order(group: Any) -> list:
+        # thunder passes each alias group as a set: its order (so the order of the update's operands and of
+        # everything the program does with them, collectives included) follows the process's hash seed, which
+        # differs between ranks: ranks then ran the same program with its collectives in different orders
+        # (gloo: "Received data size doesn't match expected size"). Both thunder functions that iterate a
+        # group see it in the order of its proxies' names, the same on every rank.
+        return sorted(group, key=lambda alias: alias.proxy.name)
+
+    def get_new_aliases(aliases: Any, trace: Any) -> tuple:
+        return thunder_new_aliases(in_name_order(aliases), trace)
+
     def get_update_bsym(group: Any, swap_map: dict, new_aliases: tuple) -> tuple:
-        bsym, swap_map = thunder_update_bsym(group, swap_map, new_aliases)
+        bsym, swap_map = thunder_update_bsym(in_name_order(group), swap_map, new_aliases)
         if any(is_dtensor_proxy(p) for p in bsym.flat_proxy_args):
             bsym = bsym.from_bsym(sym=update_aliases_prim)
         return bsym, swap_map
@@ -541,6 +554,13 @@ def keep_dtensors_in_alias_updates(
 
     module = "thunder.core.update_aliases"
     patch(update_aliases, "_get_new_alias", get_new_alias, expects=expects_function(module, "alias", "trace"))
+    patch(
+        update_aliases,
+        "_get_new_aliases",
+        get_new_aliases,
+        expects=expects_function(module, "aliases", "trace"),
+        reason="alias groups in the order of their names, the same on every rank (thunder iterates a set)",
+    )
     patch(
         update_aliases,
         "_get_update_bsym",

@@ -380,3 +380,20 @@ def test_scalar_division_of_a_strided_shard_value(lowering):
     inputs = [make_full((2, 6, 8), seed=20), make_full((1, 6, 8), seed=21)]
     case = DTensorCase(fn, inputs, [[Replicate(), Replicate()], [Shard(1), Shard(2)]], mesh=mesh_2d(2))
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@LOWERING
+def test_alias_updates_compile_to_the_same_program_on_every_rank(lowering, monkeypatch):
+    """Seed 5: a write into a clone whose views are read afterwards. thunder ordered the alias update's operands
+    by iterating a set (each rank's own hash seed), so the ranks compiled different programs, and long fuzzer
+    runs died of mismatched gloo collectives. The opt-in rank-consistency check compares the programs."""
+    monkeypatch.setenv("THUNDER_DTENSOR_CHECK_COLLECTIVES", "1")
+
+    def fn(x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y.sub_(o)
+        return torch.cat(y.split(6, dim=1)[::-1], dim=1)
+
+    inputs = [make_full((6, 8, 7), seed=1, dtype=torch.float64), make_full((6, 8, 7), seed=2, dtype=torch.float64)]
+    case = DTensorCase(fn, inputs, [[Replicate()], [Partial()]], mesh=mesh_1d())
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})

@@ -147,7 +147,8 @@ def _all_gather(layout: ti.FSDPGroupLayout, *sharded: Any) -> tuple:
     flat = locals_[0].new_empty((sum(sizes),), dtype=dtype)
     offset = 0
     for local, shape, n in zip(locals_, shapes, sizes):  # this rank's shards, padded, in one buffer
-        _rows_into(flat[offset : offset + n].view(1, -1, *shape[1:]), local, n // max(math.prod(shape[1:]), 1), 1)
+        chunk = _padded_rows(shape[0], world)
+        _rows_into(flat[offset : offset + n].view(1, chunk, *shape[1:]), local, chunk, 1)
         offset += n
     gathered = flat.new_empty((world * flat.numel(),))
     if world > 1:
@@ -182,13 +183,17 @@ dtensor_fsdp_all_gather_prim = define_dtensor_prim(
 # ---------------------------------------------------------------------------------------------------------
 # its gradient: one reduce-scatter of the group's trainable gradients (HSDP: then an all-reduce), averaged
 # ---------------------------------------------------------------------------------------------------------
-def _sharded_grad_proxy(sharded_spec: Any, device: Any) -> DTensorProxy:
+def _sharded_grad_spec(sharded_spec: Any) -> Any:
+    """A sharded gradient's spec: the sharded parameter's (FSDP2's ``to_sharded_dtensor``), contiguous globally."""
     shape = tuple(sharded_spec.tensor_meta.shape)
-    return _contiguous_proxy(ti.spec_with_sizes(sharded_spec, shape, contiguous_stride(shape)), device, False)
+    return ti.spec_with_sizes(sharded_spec, shape, contiguous_stride(shape))
 
 
 def _reduce_scatter_meta(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> tuple:
-    return tuple(_sharded_grad_proxy(layout.params[i].sharded_spec, g.device) for i, g in zip(indices, grads))
+    return tuple(
+        _contiguous_proxy(_sharded_grad_spec(layout.params[i].sharded_spec), g.device, requires_grad=False)
+        for i, g in zip(indices, grads)
+    )
 
 
 def _unsharded_grad(param: ti.FSDPParamLayout, grad: Any) -> torch.Tensor:
@@ -212,7 +217,8 @@ def _reduce_scatter(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> 
     reduced over the data-parallel ranks and scattered (dim 0) like the sharded parameters."""
     world, rank = layout.shard_size, layout.shard_rank
     dtype = _reduce_dtype(layout, grads)
-    pending = _PENDING.pop(layout.group(), {}) if layout.group() is not None else {}
+    group = layout.group()
+    pending = _PENDING.pop(group, {}) if group is not None else {}
     locals_ = []
     for i, g in zip(indices, grads):
         local = _unsharded_grad(layout.params[i], g)
@@ -238,17 +244,13 @@ def _reduce_scatter(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> 
     if layout.sum_then_divide:
         out.div_(layout.divide_factor)
     results, offset = [], 0
-    for i, shape in zip(indices, shapes):
-        spec = layout.params[i].sharded_spec
-        chunk = _padded_rows(shape[0], world)
-        n = chunk * int(torch.Size(shape[1:]).numel())
-        mine = out[offset : offset + n].view((chunk, *shape[1:]))[: _local_rows(shape[0], world, rank)]
+    # each gradient's chunk (n elements), cut to this rank's rows
+    for i, shape, n in zip(indices, shapes, columns):
+        spec = _sharded_grad_spec(layout.params[i].sharded_spec)
+        mine = out[offset : offset + n].view((_padded_rows(shape[0], world), *shape[1:]))
+        mine = mine[: _local_rows(shape[0], world, rank)]
         offset += n
-        local = mine.to(spec.tensor_meta.dtype)
-        shape_ = tuple(spec.tensor_meta.shape)
-        results.append(
-            ti.dtensor_from_local_unchecked(local, ti.spec_with_sizes(spec, shape_, contiguous_stride(shape_)))
-        )
+        results.append(ti.dtensor_from_local_unchecked(mine.to(spec.tensor_meta.dtype), spec))
     return tuple(results)
 
 

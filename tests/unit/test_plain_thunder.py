@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import thunder_dtensor  # noqa: F401  (first: makes thunder importable on torch >= 2.13)
+from thunder_dtensor.testing import assert_jit_matches_eager
 
 import pytest
 import thunder
@@ -210,14 +211,7 @@ def test_custom_autograd_function_runs_its_own_backward():
     def fn(x):
         return Double.apply(x).sin()
 
-    x = torch.randn(4, 3, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    out, expected = thunder.jit(fn)(x), fn(x2)
-    g = torch.randn_like(expected)
-    out.backward(g)
-    expected.backward(g)
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(x.grad, x2.grad)
+    x2, g = assert_jit_matches_eager(fn, (4, 3))
     torch.testing.assert_close(x2.grad, 3 * torch.cos(2 * x2.detach()) * g)  # the custom backward, not the true one
 
 

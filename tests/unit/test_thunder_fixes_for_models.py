@@ -9,21 +9,10 @@ from collections.abc import Sequence
 
 import thunder_dtensor  # noqa: F401  (first: makes thunder importable on torch >= 2.13)
 from thunder_dtensor import _integration
+from thunder_dtensor.testing import assert_jit_matches_eager
 
 import thunder
 import torch
-
-
-def _assert_jit_matches_eager(fn, shape: tuple[int, ...]) -> None:
-    """``thunder.jit(fn)`` gives eager's output and input gradient (a random cotangent)."""
-    x = torch.randn(*shape, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    out, expected = thunder.jit(fn)(x), fn(x2)
-    g = torch.randn_like(expected)
-    out.backward(g)
-    expected.backward(g)
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(x.grad, x2.grad)
 
 
 class _Layers(Sequence):
@@ -114,7 +103,7 @@ def test_a_tensor_saved_for_the_backward_then_written_in_place():
         return v
 
     for fn in (_normalize_in_place, scaled):
-        _assert_jit_matches_eager(fn, (4, 5))
+        assert_jit_matches_eager(fn, (4, 5))
 
 
 _SWAPPED = torch.nn.Linear(3, 2)
@@ -166,7 +155,7 @@ def _custom_function_given_an_object(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_custom_function_given_an_object_with_a_name_method():
-    _assert_jit_matches_eager(_custom_function_given_an_object, (4, 3))
+    assert_jit_matches_eager(_custom_function_given_an_object, (4, 3))
 
 
 @torch.library.custom_op("thunder_dtensor_tests::scaled_rows", mutates_args=())
@@ -194,7 +183,7 @@ def _call_a_custom_op(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_torch_custom_op_forward_and_backward():
-    _assert_jit_matches_eager(_call_a_custom_op, (4, 3))
+    assert_jit_matches_eager(_call_a_custom_op, (4, 3))
 
 
 _FLAGS: dict = {}

@@ -45,7 +45,6 @@ class FSDPParamLayout:
     path: str
     sharded_spec: Any
     unsharded_spec: Any
-    requires_grad: bool
 
 
 class FSDPGroupLayout:
@@ -72,7 +71,6 @@ class FSDPGroupLayout:
         "params",
         "reduce_dtype",
         "replicate_group",
-        "replicate_size",
         "reshard_after_forward",
         "shard_group",
         "shard_rank",
@@ -151,11 +149,11 @@ def fsdp_group_layouts(state: Any) -> Iterator[tuple[FSDPGroupLayout, tuple[torc
     from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
     modules = state._modules
+    names: dict[int, str] = {}  # id(parameter) -> its path from the modules fully_shard was applied to
+    for module in modules:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), name)
     for group in state._fsdp_param_groups:
-        names = {}
-        for module in modules:
-            for name, param in module.named_parameters(remove_duplicate=False):
-                names.setdefault(id(param), name)
         params, sharded = [], []
         for fsdp_param in group.fsdp_params:
             param = fsdp_param.sharded_param
@@ -164,7 +162,7 @@ def fsdp_group_layouts(state: Any) -> Iterator[tuple[FSDPGroupLayout, tuple[torc
                 info = fsdp_param._module_info
                 path = next(n for n, m in modules[0].named_modules() if m is info.module) + "." + info.param_name
                 path = path.lstrip(".")
-            params.append(FSDPParamLayout(path, param._spec, fsdp_param._unsharded_dtensor_spec, param.requires_grad))
+            params.append(FSDPParamLayout(path, param._spec, fsdp_param._unsharded_dtensor_spec))
             sharded.append(param)
         mesh_info = group.mesh_info
         hsdp = isinstance(mesh_info, HSDPMeshInfo)
@@ -180,7 +178,6 @@ def fsdp_group_layouts(state: Any) -> Iterator[tuple[FSDPGroupLayout, tuple[torc
             shard_size=shard_size,
             shard_rank=getattr(mesh_info, "shard_mesh_rank", 0),
             replicate_group=mesh_info.replicate_process_group if hsdp else None,
-            replicate_size=replicate_size,
             param_dtype=first.param_dtype,
             reduce_dtype=first.reduce_dtype,
             reshard_after_forward=group.post_forward_mesh_info is not None,

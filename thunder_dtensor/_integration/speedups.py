@@ -500,10 +500,13 @@ def _eager_kernels_executor() -> Any:
     def same(a: Any, *args: Any, **kwargs: Any) -> Any:
         return TensorProxy(like=a)
 
+    def like_input(g: Any, a: Any, *args: Any) -> Any:  # a backward's meta: the gradient of its input ``a``
+        return TensorProxy(like=a)
+
     gelu = ex.register_operator("cpu_gelu", meta=same, fn=lambda a, approximate: aten.gelu(a, approximate=approximate))
     gelu_backward = ex.register_operator(
         "cpu_gelu_backward",
-        meta=lambda g, a, approximate: TensorProxy(like=a),
+        meta=like_input,
         fn=lambda g, a, approximate: aten.gelu_backward(g, a, approximate=approximate),
     )
 
@@ -521,9 +524,7 @@ def _eager_kernels_executor() -> Any:
     )
 
     silu = ex.register_operator("cpu_silu", meta=same, fn=aten.silu)
-    silu_backward = ex.register_operator(
-        "cpu_silu_backward", meta=lambda g, a: TensorProxy(like=a), fn=aten.silu_backward
-    )
+    silu_backward = ex.register_operator("cpu_silu_backward", meta=like_input, fn=aten.silu_backward)
 
     def silu_grad(a: Any, /, inplace: bool = False) -> Any:
         out = silu(a)

@@ -25,6 +25,7 @@ __all__ = [
     "CaseResult",
     "CommComparison",
     "DTensorCase",
+    "assert_jit_matches_eager",
     "assert_matches_full",
     "assert_no_more_comms",
     "comm_counts",
@@ -86,6 +87,22 @@ def make_full(
     else:
         t = torch.randint(0, int_high, tuple(shape), generator=g)
     return t.to(dtype=dtype, device=device_type())
+
+
+def assert_jit_matches_eager(fn: Callable, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``thunder.jit(fn)`` of a plain random tensor gives eager's output and input gradient (for one random
+    cotangent); returns eager's input and that cotangent, for checks of the gradient's own value."""
+    import thunder
+
+    x = torch.randn(*shape, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, expected = thunder.jit(fn)(x), fn(x2)
+    g = torch.randn_like(expected)
+    out.backward(g)
+    expected.backward(g)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x2.grad)
+    return x2, g
 
 
 def assert_matches_full(actual: Any, expected_full: torch.Tensor, *, what: str = "", rtol=None, atol=None) -> None:

@@ -8,6 +8,9 @@ backward; gradients set to None between steps) of a tensor-parallel model, run b
 - ``torch.compile``: ``torch.compile(model)`` (inductor, compiled from a fresh, empty cache);
 - ``thunder_off`` / ``thunder_on``: ``thunder.jit(model, dtensor_lowering=False / True)`` (per-prim eager
   DTensor ops vs the lowering to local ops and explicit collectives);
+- ``thunder_on_tcex``: ``thunder_on`` with thunder's torch.compile executor listed first
+  (``executors=[torch_compile_ex, *thunder.get_default_executors()]``): inductor fuses the lowered local math
+  between collectives;
 - ``limit`` (the block only): the same math written by hand on local shards with explicit functional
   collectives and a hand-written backward: what a lowered program can at best reach with ATen kernels.
 
@@ -67,7 +70,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
-VARIANTS = ("eager", "torch.compile", "thunder_off", "thunder_on", "limit", "limit_compiled")
+VARIANTS = ("eager", "torch.compile", "thunder_off", "thunder_on", "thunder_on_tcex", "limit", "limit_compiled")
 #: the hand-written local program, run op by op and compiled: the limit is the faster of the two
 LIMITS = ("limit", "limit_compiled")
 BLOCK_TOKENS = 256
@@ -662,6 +665,11 @@ def build_runner(name: str, w: Workload) -> Runner:
         fn = thunder.jit(model, dtensor_lowering=False)
     elif name == "thunder_on":
         fn = thunder.jit(model, dtensor_lowering=True)
+    elif name == "thunder_on_tcex":
+        from thunder.executors.torch_compile import torch_compile_ex
+
+        _fresh_inductor()
+        fn = thunder.jit(model, dtensor_lowering=True, executors=[torch_compile_ex, *thunder.get_default_executors()])
     elif name == "thunderfx_off":
         from thunder.dynamo import thunderfx
 
@@ -750,7 +758,7 @@ def first_calls(w: Workload, names: list[str]) -> list[Runner]:
                 dist.all_reduce(value)
             r.first_loss = float(value)
             r.extra["loss_first"] = loss
-            if name in ("thunder_off", "thunder_on"):
+            if name.startswith("thunder_"):
                 r.extra["thunder"] = True
             _log(f"  {name:14s} first call {r.first_call_s:7.2f} s   loss {r.first_loss:.6f}")
         runners.append(r)

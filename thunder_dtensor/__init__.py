@@ -22,6 +22,7 @@ _integration.keep_saved_tensors_from_in_place_writes()  # v /= v.sum(): the back
 _integration.name_opaque_arguments_of_traced_functions()  # MyFunction.apply(x, process_group)
 _integration.run_torch_custom_ops()  # torch.ops.ns.op(...) of a torch.library.custom_op
 _integration.answer_requires_grad_of_computed_values()  # x.view(-1).requires_grad is True, as in eager
+_integration.keep_complex_tensors_out_of_torch_compile_regions()  # dynamo cannot take a complex view as input
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import guards, ops  # noqa: F401
@@ -58,6 +59,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.run_interpreter_helpers_directly()  # and x[k], k in x, unpacking, names: no helper frames
     _integration.bind_symbols_with_cached_signatures()  # a symbol's meta signature is read once
     _integration.run_cpu_activations_and_norms_with_torch_kernels()  # CPU gelu/silu/layer_norm: torch's kernels
+    _integration.make_autograd_dummies_without_random_numbers()  # per-call time: no meta randn per training call
 
     from thunder_dtensor import tp_hooks
 

@@ -91,6 +91,10 @@ def add_prologue_spec_checks(prim: Any, prologue_trace: ti.TraceCtx, args: tuple
         elif ti.traced_dtensor_ops():
             _run_check_concrete_shape(tensor, tuple(int(ti.pyval(s)) for s in tensor._shape))
         return False
+    if ti.is_check_tensor_shape_and_metadata(prim) and isinstance(args[0], DTensorProxy):
+        # thunder's check of shape, device, dtype and requires_grad: the DTensor's own check below compares all
+        # of them (its spec holds the global shape, dtype and mesh device type), so one check per input is run
+        return True
     if prim is not check_dtensor_spec_repr:
         return False
     dtensor, _runtime_spec = args

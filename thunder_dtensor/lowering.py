@@ -41,6 +41,7 @@ from thunder_dtensor.primitive import (
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
 from thunder_dtensor.spec import DTensorMeta, contiguous_stride
+from thunder_dtensor.thunder_equivalents import thunder_equivalent
 
 import torch
 
@@ -634,6 +635,11 @@ class _Lowering:
                 if node.target is not torch.ops._c10d_functional.wait_tensor.default:
                     kwargs = {**kwargs, "mesh_dim": _mesh_dim(node, meshes)}
             else:
+                equivalent = self._emit_thunder_equivalent(node, args, kwargs)
+                if equivalent is not None:
+                    env[node] = equivalent
+                    self._record_fakes(equivalent, node.meta["val"])
+                    continue
                 sym = local_op_symbol(node.target)
             _remember_meta(node.target, args, kwargs, node.meta["val"])
             self.bsyms.append(sym.bind(*args, output=output, **kwargs))
@@ -644,6 +650,26 @@ class _Lowering:
         rewritten = record.rewritten if record is not None else None
         if rewritten is not None:  # its local ops do not say that DTensor had no rule for the op
             self.bsyms.append(dtensor_rewritten_prim.bind((), *rewritten, output=None))
+
+    def _emit_thunder_equivalent(self, node: Any, args: tuple, kwargs: dict) -> Any:
+        """Emit the thunder call that means what ``node``'s ATen op does (``thunder_equivalents``); its
+        outputs, or None (nothing emitted) where there is none or its outputs are not the recorded ones."""
+        fn = thunder_equivalent(node.target)
+        if fn is None:
+            return None
+        emitted: list = []
+        with ti.tracectx(self.trace):
+            self.trace.push_scope(emitted)
+            try:
+                out = fn(*args, **kwargs)
+            except Exception:  # NoEquivalent, or thunder refuses these arguments: the ATen op is as good
+                return None
+            finally:
+                self.trace.pop_scope()
+        if not _same_outputs(out, node.meta["val"]):
+            return None
+        self.bsyms.extend(emitted)
+        return out
 
     def _record_fakes(self, output: Any, val: Any) -> None:
         outs, _ = ti.torch_tree_flatten(output)
@@ -909,10 +935,8 @@ def place_waits_late(bsyms: list) -> list:
 
 
 def _alias_local(value: ti.TensorProxy, proxy: ti.TensorProxy) -> ti.BoundSymbol:
-    alias = torch.ops.aten.alias.default
-    with ti.fake_tensor_mode():
-        _remember_meta(alias, (value,), {}, _fake_of(value))  # an alias is its input's shape, dtype and device
-    return local_op_symbol(alias).bind(value, output=proxy)
+    """``proxy`` names ``value`` (thunder's own alias symbol, which executors run as the tensor itself)."""
+    return ti.prims.shallow_copy.bind(value, output=proxy)
 
 
 def _value(info: _Input, local: torch.Tensor) -> Any:
@@ -978,6 +1002,22 @@ def _output_proxies(trace: ti.TraceCtx, val: Any) -> Any:
         if isinstance(val, (tuple, list)):
             return tuple(proxy(v) for v in val)
         return proxy(val)
+
+
+def _same_outputs(proxies: Any, val: Any) -> bool:
+    """``proxies`` (a thunder call's outputs) are ``val`` (an ATen call's): as many, same shapes and dtypes."""
+    outs, vals = ti.torch_tree_flatten(proxies)[0], ti.torch_tree_flatten(val)[0]
+    if len(outs) != len(vals):
+        return False
+    for o, v in zip(outs, vals):
+        if isinstance(v, torch.Tensor):
+            if not isinstance(o, ti.TensorProxy) or tuple(o.shape) != tuple(v.shape):
+                return False
+            if ti.dtypes.to_torch_dtype(o.dtype) != v.dtype or ti.devices.to_torch_device(o.device) != v.device:
+                return False
+        elif isinstance(o, ti.Proxy) or o != v:
+            return False
+    return True
 
 
 def _mesh_dim(node: Any, meshes: list) -> int | None:

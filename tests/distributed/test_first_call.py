@@ -194,6 +194,7 @@ def test_executors_claim_lowered_ops_without_running_them_again():
     bsyms = [b for t in _lowered_traces(_layers(2), _sp_plan(2), executors=executors) for b in t.bound_symbols]
     fused = [s for b in bsyms if b.sym.name.startswith("TorchCompile") for s in b.subsymbols]
     assert any(s.sym.name.startswith("aten_") for s in fused), "the lowered local math was not fused"
+    assert {"linear", "matmul"} & {s.sym.name for s in fused}, "the lowered matmuls (thunder's symbols) were not fused"
     assert LOCAL_META_CACHE.hits > len(LOCAL_META_CACHE) > 0
     assert LOCAL_META_CACHE.misses == 0, f"a lowered op's meta ran a fake op again: {LOCAL_META_CACHE}"
 

@@ -35,7 +35,8 @@ What is patched, and why:
   so DTensor ops get autocast's casts as dtensor prims in the trace (``install_autocast_hook``); the autocast
   a jitted function is called under applies to that call only (``scope_ambient_autocast_to_each_call``).
 * thunder 0.2.6's grad rules forget the conjugate for complex tensors; they are re-registered with it
-  (``fix_complex_gradients``).
+  (``fix_complex_gradients``); thunder's torch.compile executors leave ops on complex tensors out of their
+  regions, which dynamo cannot take as inputs (``keep_complex_tensors_out_of_torch_compile_regions``).
 * ``torch.nn.attention.sdpa_kernel`` runs as a trace-time no-op with a feasibility check
   (``install_sdpa_kernel_support``).
 * What model libraries do inside a forward, which thunder 0.2.6 gets wrong for plain tensors too
@@ -48,7 +49,8 @@ What is patched, and why:
 * thunder's interpreter runs ``x[k]``, ``k in x``, unpacking, global name lookups, bound-method calls and the
   merges of ``*args`` / ``**kwargs`` calls on exact builtin containers without interpreting its own helper
   functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time);
-  ``Symbol.bind`` reads each meta's signature once (``bind_symbols_with_cached_signatures``).
+  ``Symbol.bind`` reads each meta's signature once (``bind_symbols_with_cached_signatures``); thunder's
+  autograd bridge makes its meta dummy tensors with ``empty`` (``make_autograd_dummies_without_random_numbers``).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
@@ -203,6 +205,7 @@ from thunder_dtensor._integration.speedups import (
     bind_symbols_with_cached_signatures,
     call_partials_outside_the_interpreter,
     dispatch_module_calls_outside_the_interpreter,
+    make_autograd_dummies_without_random_numbers,
     register_lookaside,
     run_cpu_activations_and_norms_with_torch_kernels,
     run_interpreter_helpers_directly,
@@ -217,6 +220,7 @@ from thunder_dtensor._integration.thunder_fixes import (
     give_meta_tensors_a_stride,
     install_sdpa_kernel_support,
     is_sdpa_kernel_fx_target,
+    keep_complex_tensors_out_of_torch_compile_regions,
     keep_named_members_in_order,
     keep_saved_tensors_from_in_place_writes,
     name_opaque_arguments_of_traced_functions,
@@ -380,6 +384,7 @@ __all__ = [
     "is_opaque_script_object",
     "is_random_op",
     "is_sdpa_kernel_fx_target",
+    "keep_complex_tensors_out_of_torch_compile_regions",
     "keep_named_members_in_order",
     "keep_saved_tensors_from_in_place_writes",
     "name_opaque_arguments_of_traced_functions",
@@ -393,6 +398,7 @@ __all__ = [
     "local_tensor",
     "ltorch",
     "make_fx",
+    "make_autograd_dummies_without_random_numbers",
     "make_isinstance_see_dtensor_proxies",
     "make_placements_opaque",
     "make_prim",

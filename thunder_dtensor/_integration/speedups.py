@@ -605,3 +605,33 @@ def run_cpu_activations_and_norms_with_torch_kernels() -> None:
         [_eager_kernels_executor(), *executors],
         expects=_a_list_of_executors,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thunder's autograd bridge (thunder 0.2.6 ``executors/torch_autograd.py``): per-call time
+# ---------------------------------------------------------------------------------------------------------
+class _TorchWithEmptyMetaTensors(types.ModuleType):
+    """``torch`` as thunder's autograd bridge sees it, with ``randn(..., device="meta")`` made by ``empty``.
+
+    A meta tensor has no values, so the two are the same tensor; torch's meta ``randn`` runs its Python
+    reference implementation (about 36 µs against 2 µs), and the bridge makes one in each training call's
+    forward (the dummy linking its two autograd Functions) and one in its backward."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def randn(*size: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") == "meta" and set(kwargs) <= {"device", "dtype", "requires_grad"}:
+            return torch.empty(*size, **kwargs)
+        return torch.randn(*size, **kwargs)
+
+
+@installer("speedup", "thunder's autograd bridge makes its meta dummy tensors with empty, not randn")
+def make_autograd_dummies_without_random_numbers() -> None:
+    """Each ``thunder.jit`` training call makes two one-element meta tensors with ``torch.randn`` (see
+    :class:`_TorchWithEmptyMetaTensors`): the module that does so sees a ``torch`` whose meta ``randn`` is
+    ``empty``."""
+    from thunder.executors import torch_autograd
+
+    patch(torch_autograd, "torch", _TorchWithEmptyMetaTensors("torch"), expects=expects_identical(torch))

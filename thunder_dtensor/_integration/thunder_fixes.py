@@ -839,3 +839,29 @@ def answer_requires_grad_of_computed_values() -> None:
 
     expects = expects_function(("thunder", "thunder_dtensor"), "obj", "name")  # thunder's, or ours over it
     patch(lookasides, getattr, getattr_lookaside, table=JIT_LOOKASIDES, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.compile regions and complex tensors
+# ---------------------------------------------------------------------------------------------------------
+def _touches_complex_tensors(bsym: Any) -> bool:
+    values = (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)
+    return any(isinstance(v, TensorProxy) and dtypes.is_complex_dtype(v.dtype) for v in values)
+
+
+@installer("thunder-fix", "torch.compile executors leave ops on complex tensors out of their regions")
+def keep_complex_tensors_out_of_torch_compile_regions() -> None:
+    """thunder's torch.compile executors compile each region with dynamo, which cannot take a complex view of a
+    real tensor as an input: ``torch.compile(lambda c: c * 2)(torch.view_as_complex(torch.randn(4, 4).view(4, 2,
+    2)))`` fails with ``InternalTorchDynamoError: Tensor must have a last dimension of size 2`` (torch 2.13), so
+    RoPE written with ``view_as_complex`` (torchtitan's Llama 3) fails at its first call once
+    ``torch_compile_ex`` is listed. Ops that read or make complex tensors run outside the regions, on the
+    executors after it (inductor has no complex kernels to fuse them into anyway)."""
+    from thunder.executors.torch_compile import TorchCompileExecutor
+
+    can_execute = TorchCompileExecutor.can_execute
+
+    def real_tensors_only(self: Any, bsym: Any) -> bool:
+        return not _touches_complex_tensors(bsym) and can_execute(self, bsym)
+
+    patch(TorchCompileExecutor, "can_execute", real_tensors_only, expects=expects_function("thunder", "self", "bsym"))

@@ -29,10 +29,10 @@ test-unit: setup
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider -n 2 --dist loadfile
 
 test-dist2: setup
-	$(RUN2) -m pytest tests/distributed -q -p no:cacheprovider
+	$(RUN2) -m pytest tests/distributed -q -p no:cacheprovider --durations=12
 
 test-dist4: setup
-	$(RUN4) -m pytest tests/distributed -q -p no:cacheprovider
+	$(RUN4) -m pytest tests/distributed -q -p no:cacheprovider --durations=12
 
 # the full OpInfo sweep, every sample, at world sizes 2 and 4 (about 15 minutes on 2 cores): rewrites docs/op_coverage.md
 op-coverage: setup

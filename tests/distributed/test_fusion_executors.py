@@ -6,7 +6,7 @@ collectives, which stay this package's. The Llama (complex RoPE, which torch.com
 trains with the same values and gradients as under the default executors.
 """
 
-import copy
+import functools
 
 from thunder_dtensor.lowering import COLLECTIVE_SYMBOLS, _symbol_name
 from thunder_dtensor.testing import mesh_1d
@@ -40,13 +40,18 @@ def _train(executors: list | None) -> tuple:
     return jitted, losses, grads
 
 
+@functools.cache
+def _default_run() -> tuple:
+    return _train(None)
+
+
 def _names(trace) -> list[str]:
     return [b.sym.name for b in trace.bound_symbols]
 
 
 @pytest.mark.world_size(2)
 def test_lowered_local_ops_are_thunder_symbols():
-    jitted, _, _ = _train(None)
+    jitted, _, _ = _default_run()
     with_equivalent = {_symbol_name(op) for op in THUNDER_EQUIVALENTS if hasattr(op, "overloadpacket")}
     for trace in (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]):
         names = _names(trace)
@@ -60,7 +65,7 @@ def test_lowered_local_ops_are_thunder_symbols():
 def test_torch_compile_executor_fuses_the_local_math_of_each_block():
     from thunder.executors.torch_compile import torch_compile_ex
 
-    _, losses, grads = _train(None)
+    _, losses, grads = _default_run()
     fused_jit, fused_losses, fused_grads = _train([torch_compile_ex, *thunder.get_default_executors()])
     for step in range(STEPS):
         torch.testing.assert_close(fused_losses[step], losses[step])

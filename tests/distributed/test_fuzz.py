@@ -10,10 +10,10 @@ from thunder_dtensor.testing.fuzz import fuzz
 
 import pytest
 
-#: seeds per world size (the 4-rank run has 2-D meshes too): about 25 s at 2 ranks and 15 s at 4 on two otherwise
+#: seeds per world size (the 4-rank run has 2-D meshes too): about 15 s at 2 ranks and 9 s at 4 on two otherwise
 #: idle CPU cores, the suite's 15-minute budget's share; `make fuzz` runs 300 per world size, and each stop runs
 #: several hundred more (docs/architecture.md, "Fuzzing")
-SEEDS = {2: range(0, 25), 4: range(0, 10)}
+SEEDS = {2: range(0, 15), 4: range(0, 6)}
 
 
 #: open bugs this budget finds, by (world size, seed) -> a piece of the failure's text. Strict: each must still

@@ -72,7 +72,7 @@ def test_torch_compile_executor_fuses_the_local_math_of_each_block():
         for name, (grad, placements) in grads[step].items():
             fused_grad, fused_placements = fused_grads[step][name]
             assert fused_placements == placements, name
-            torch.testing.assert_close(fused_grad, grad, msg=lambda m, n=name: f"{n} at step {step}: {m}")
+            torch.testing.assert_close(fused_grad, grad, msg=lambda m, n=name, s=step: f"{n} at step {s}: {m}")
 
     for trace in (thunder.last_traces(fused_jit)[-1], thunder.last_backward_traces(fused_jit)[-1]):
         regions = [b for b in trace.bound_symbols if b.sym.name.startswith("TorchCompile")]

@@ -142,9 +142,10 @@ def collective_symbol(overload: Any) -> ti.Symbol:
     """The trace symbol of one ``_c10d_functional`` op; ``mesh_dim`` is printed, not passed on."""
     name = _symbol_name(overload).removeprefix("_c10d_functional_")
     sym = ti.make_prim(f"thunder_dtensor.comm.{name}", name, meta=_meta_by_fake_run(overload))
+    collective = ti.below_autograd(overload)
 
     def run(*args: Any, mesh_dim: int | None = None, **kwargs: Any) -> Any:
-        return overload(*args, **kwargs)
+        return collective(*args, **kwargs)
 
     run.__name__ = name
     op = dtensor_comm_ex.register_operator(name, like=sym, fn=run)

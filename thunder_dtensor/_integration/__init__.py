@@ -146,6 +146,7 @@ from thunder_dtensor._integration.bootstrap import (
 )
 from thunder_dtensor._integration.compile_pipeline import (
     TraceProvenance,
+    below_autograd,
     claiming_operator,
     get_compile_option,
     group_name,
@@ -321,6 +322,7 @@ __all__ = [
     "UNTESTED_TORCH_VARIABLE",
     "accept_dtensor_proxies",
     "add_always_executor",
+    "below_autograd",
     "bind_symbols_with_cached_signatures",
     "bind_unpack_dtensor_spec",
     "bind_unpack_local_tensor",

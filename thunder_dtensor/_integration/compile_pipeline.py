@@ -165,6 +165,19 @@ def is_functional_collective(op: Any) -> bool:
     return getattr(op, "namespace", None) == "_c10d_functional"
 
 
+def below_autograd(op: Any) -> Callable:
+    """``op`` called below the autograd dispatch key. The functional collectives carry a Python autograd
+    kernel (``torch.library.register_autograd``, once ``torch.distributed._functional_collectives`` is
+    imported) that every call passes through, grad mode off or not; the lowered program's local tensors never
+    need autograd's tracking (thunder differentiates the program), so its collectives skip that kernel."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args, **kwargs)
+
+    return call
+
+
 def group_name(mesh: Any, dim: int) -> str:
     """The process group name of one mesh dim, as functional collectives name it."""
     return mesh.get_group(dim).group_name

@@ -70,6 +70,7 @@ bench: setup
 	$(RUN2) benchmarks/bench.py --workloads fsdp --variants eager,torch.compile,thunder_on,thunderfx_on,limit,limit_compiled \
 		--out benchmarks/results/fsdp
 	$(RUN2) benchmarks/no_rule.py
+	$(RUN2) benchmarks/overhead.py --out benchmarks/results/overhead --label "make bench"
 
 lint: setup
 	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts benchmarks

@@ -5,8 +5,9 @@ executors. For each dtensor prim, DTensor's own dispatch is traced on fake local
 around them with the prim's input specs; ``_integration.trace_aten_graph``, the graph ``make_fx`` would record,
 at less cost): what comes out is the aten ops DTensor runs
 on the local shards and the ``_c10d_functional`` collectives its redistribution planner issues. Those become
-trace symbols: ``aten_<op>`` (one ATen call each) and the collectives with their mesh dim. Nothing of the
-sharding logic is written here: the decisions are DTensor's.
+trace symbols: thunder's own symbol where thunder has one of the same meaning (``thunder_equivalents``: any
+thunder executor can claim and fuse it), else ``aten_<op>`` (one ATen call), and the collectives with their
+mesh dim. Nothing of the sharding logic is written here: the decisions are DTensor's.
 
 The backward does not rerun the forward. A prim with the generic grad rule appears twice in the joint trace:
 forward (``dtensor_X_prim``) and backward (``dtensor_X_vjp_prim``, which would recompute it). The pair is

@@ -86,12 +86,12 @@ def _compile(model: torch.nn.Module, frontend: str) -> Callable:
 
 def _cases() -> list:
     # the suite's time budget: 2 ranks only (every case passed at 4 ranks by hand, docs/tensor_parallel.md);
-    # Qwen3 under thunderfx (dynamo runs its hooks itself) was measured, not kept in the suite
+    # Qwen3 and Mixtral under thunderfx (dynamo runs their hooks itself) were measured, not kept in the suite
     return [
         (name, frontend)
         for name in CONFIGS
         for frontend in ("jit", "thunderfx", "eager")
-        if (name, frontend) != ("qwen3", "thunderfx")
+        if (name, frontend) not in {("qwen3", "thunderfx"), ("mixtral", "thunderfx")}
     ]
 
 

@@ -53,6 +53,8 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_torch_test_transformer_trains_like_single_process(compiler: str, sequence_parallel: bool) -> None:
+    if world_size() == 4 and (compiler, sequence_parallel) not in {("jit", True), ("thunderfx", False)}:
+        pytest.skip("at 4 ranks one plan per front end (suite time)")
     args = _args()
     torch.manual_seed(0)  # the same initial weights on every rank
     ref = Transformer(args)

@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from thunder_dtensor.primitive import PRIMS
-from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, run_case
+from thunder_dtensor.testing import DTensorCase, make_full, mesh_1d, run_case, world_size
 
 import pytest
 import thunder
@@ -100,6 +100,8 @@ def _program(layout: str, op: str) -> Callable:
 @pytest.mark.parametrize("layout,op,placement", _cases())
 def test_non_contiguous_values_cross_between_lowered_and_eager_prims(layout, op, placement, direction):
     """Forward values, saved values, cotangents and gradients cross with eager's layouts, both ways."""
+    if world_size() == 4 and direction == "eager_into_lowered":
+        pytest.skip("at 4 ranks (uneven shards) one direction (suite time)")
     fn = _program(layout, op)
     full = make_full((6, 8), seed=3)
     case = DTensorCase(fn, [full], [PLACEMENTS[placement]], mesh=mesh_1d())

@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import thunder_dtensor  # noqa: F401  (before thunder)
@@ -46,8 +47,8 @@ def program(k: int):  # noqa: ANN201
     return fn
 
 
-def _calls(variant: str, n: int, k: int, training: bool) -> tuple:
-    """(call, its arguments) of one variant; the call runs the program (and its backward when training)."""
+def _calls(variant: str, n: int, k: int, training: bool) -> Callable[[], None]:
+    """One call of a variant on its own inputs: the program (and its backward when training)."""
     mesh = mesh_1d()
     fn = program(k)
     g = torch.Generator().manual_seed(n * 100 + k)

@@ -102,10 +102,6 @@ def _split(x: Any, size: Any, dim: int = 0) -> Any:
     return tuple(lt.split(x, size, dim))
 
 
-def _same_signature(fn: Callable) -> Callable:
-    return lambda *args, **kwargs: fn(*args, **kwargs)
-
-
 def _pointwise(fn: Callable) -> Callable:
     """Tensor-tensor and tensor-number ATen overloads (``add.Tensor``, ``add.Scalar``): thunder's one symbol."""
 
@@ -158,7 +154,7 @@ for _name in ("add", "sub"):
 for _name in ("mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "bitwise_or", "bitwise_and", "bitwise_xor"):
     for _overload in ("Tensor", "Scalar"):
         if hasattr(getattr(aten, _name), _overload):
-            THUNDER_EQUIVALENTS[getattr(getattr(aten, _name), _overload)] = _same_signature(getattr(lt, _name))
+            THUNDER_EQUIVALENTS[getattr(getattr(aten, _name), _overload)] = getattr(lt, _name)
 for _name in (
     "abs", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "relu", "silu", "reciprocal",
     "logical_not", "bitwise_not", "erf",

@@ -53,6 +53,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.set_cotangent_proxy_factory(guards.make_cotangent_proxy)
     _integration.make_isinstance_see_dtensor_proxies(DTensorProxy)
     _integration.make_placements_opaque()
+    _integration.make_dtensor_choices_alike_on_every_rank()  # ranks choose strategies and plans alike
     _integration.read_root_module_state_from_user_module()
     _integration.dispatch_module_calls_outside_the_interpreter()  # first-call time: hook loops run in Python
     _integration.call_partials_outside_the_interpreter()  # and the partials every TP hook calls

@@ -5,10 +5,13 @@ Each seed's program (``thunder_dtensor/testing/fuzz.py``) runs as plain torch, e
 each distinct failure. ``make fuzz`` (``scripts/fuzz.py``) runs many more seeds.
 """
 
-from thunder_dtensor.testing import world_size
-from thunder_dtensor.testing.fuzz import fuzz
+from thunder_dtensor.testing import mesh_1d, world_size
+from thunder_dtensor.testing.fuzz import RanksDisagree, _execute, fuzz
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 #: seeds per world size (the 4-rank run has 2-D meshes too): about 15 s at 2 ranks and 9 s at 4 on two otherwise
 #: idle CPU cores, the suite's 15-minute budget's share; `make fuzz` runs 300 per world size, and each stop runs
@@ -47,3 +50,17 @@ def test_fuzzed_programs_match_torch_and_eager():
         shown.add(smallest.program.seed)
         lines += ["", smallest.headline(), smallest.reproducer()]
     pytest.fail("\n".join(lines), pytrace=False)
+
+
+@pytest.mark.world_size(2)
+def test_ranks_whose_results_disagree_fail_by_name_instead_of_hanging():
+    """Each rank decides DTensor's strategies on its own; where ranks chose differently (torch 2.13's CPU attention
+    did, by hash seed: ``tests/unit/test_rank_agreement.py``), the fuzzer names it before gathering the output."""
+    mesh, rank = mesh_1d(), dist.get_rank()
+
+    def differs_by_rank(x):
+        return x.redistribute(x.device_mesh, [Shard(0)] if rank == 0 else [Replicate()])
+
+    run = _execute(differs_by_rank, lambda: [distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])], None)
+    assert isinstance(run.error, RanksDisagree) and run.phase == "output", run.error
+    assert "rank 0: (Shard(dim=0),)" in str(run.error) and "rank 1: (Replicate(),)" in str(run.error)

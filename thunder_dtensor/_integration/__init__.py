@@ -20,6 +20,9 @@ What is patched, and why:
 * New torch functions / Tensor methods are added to thunder's map, method table and interpreter lookasides
   (``register_torch_function``, ``register_method``).
 * Placement constructors and device mesh queries are called whole by the interpreter (``make_placements_opaque``).
+* DTensor decides alike on every rank: ``Partial`` placements hash by value, not by a per-process string hash
+  or an object's address, and the redistribution planner iterates its reduce ops sorted, so strategies and
+  plans chosen among equal costs do not depend on set order (``make_dtensor_choices_alike_on_every_rank``).
 * The prologue reads the hook dicts (``_forward_hooks`` & co.) of the module passed to ``thunder.jit`` from
   that module, not from its ``ThunderModule`` wrapper, whose own are empty: tensor-parallel styles on the
   root module otherwise fail with ``KeyError`` (``read_root_module_state_from_user_module``).
@@ -177,6 +180,7 @@ from thunder_dtensor._integration.fsdp import (
     unwrap_value,
     wrap_constant,
 )
+from thunder_dtensor._integration.rank_agreement import make_dtensor_choices_alike_on_every_rank
 from thunder_dtensor._integration.registry import (
     BACKWARD_IMPLS,
     GRAD_RULES,
@@ -401,6 +405,7 @@ __all__ = [
     "ltorch",
     "make_fx",
     "make_autograd_dummies_without_random_numbers",
+    "make_dtensor_choices_alike_on_every_rank",
     "make_isinstance_see_dtensor_proxies",
     "make_placements_opaque",
     "make_prim",

@@ -1058,6 +1058,29 @@ class _AttentionLayouts(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class RanksDisagree(RuntimeError):
+    """The ranks' results have different placements: gathering them would hang or mix up collectives."""
+
+
+def _check_ranks_agree(what: str, placements: Any) -> None:
+    """All-gather ``placements`` (their reprs) and raise :class:`RanksDisagree` on every rank if they differ.
+
+    Every rank gathers and decides from the same gathered list, so all raise or none does: a program whose
+    ranks chose differently (each rank decides DTensor's strategies on its own) fails here, named, instead of
+    hanging in the next collective.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, repr(placements))
+    if len(set(gathered)) > 1:
+        raise RanksDisagree(
+            f"{what} placements differ by rank: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(gathered))
+        )
+
+
 def _describe_error(error: BaseException) -> str:
     lines = str(error).strip().splitlines() or [""]
     return f"{type(error).__name__}: {lines[0][:240]}"
@@ -1082,6 +1105,7 @@ def _execute(fn: Callable, make_inputs: Callable[[], list], cotangent: torch.Ten
         run.not_dtensor = type(out).__name__
         return run
     try:
+        _check_ranks_agree("output", tuple(out.placements))
         run.placements = tuple(out.placements)
         run.shape = tuple(out.shape)
         run.out_requires_grad = out.requires_grad
@@ -1097,6 +1121,7 @@ def _execute(fn: Callable, make_inputs: Callable[[], list], cotangent: torch.Ten
         run.error, run.phase = error, "backward"
         return run
     try:
+        _check_ranks_agree("gradient", [getattr(x.grad, "placements", None) for x in inputs])
         for x in inputs:
             g = x.grad
             run.grads.append(g.full_tensor() if isinstance(g, DTensor) else g)
@@ -1180,6 +1205,8 @@ def _judge(
         if eager_reference and not same_placements(got.placements, eager.placements):
             detail = f"output placements {_fmt(got.placements)} vs eager {_fmt(eager.placements)}"
             failures.append(Failure(mode, "placement-mismatch", "output", detail))
+    if isinstance(got.error, RanksDisagree):
+        return "failed", [*failures, Failure(mode, "rank-divergence", got.phase, _describe_error(got.error))]
     if got.error is not None:
         detail = _describe_error(got.error)
         if eager_ran:
@@ -1282,6 +1309,8 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
             mode_outcomes[mode] = outcome
             failures += found
 
+        if isinstance(eager.error, RanksDisagree):  # eager DTensor in this process decides alike on every rank too
+            failures.append(Failure("eager", "rank-divergence", eager.phase, _describe_error(eager.error)))
         plain_thunder = ""
         if failures:
             plain_thunder = _plain_thunder_check(fn_plain, program, expected, expected_grads, cotangent)

@@ -63,9 +63,9 @@ def make_dtensor_choices_alike_on_every_rank() -> None:
 
     for cls, new_hash in (
         (placement_types.Partial, _partial_hash),
-        (getattr(placement_types, "_MaskPartial", None), _mask_partial_hash),
+        (getattr(placement_types, "_MaskPartial", None), _mask_partial_hash),  # where torch 2.13 defines it
     ):
-        if cls is not None:
+        if cls is not None and "__hash__" in vars(cls):
             patch(cls, "__hash__", new_hash, expects=expects_function("torch.distributed.tensor", "self"))
 
     planner = getattr(_redistribute, "DTensorRedistributePlanner", None)
@@ -75,7 +75,9 @@ def make_dtensor_choices_alike_on_every_rank() -> None:
 
     def init_with_sorted_reduce_ops(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        self.partial_reduce_ops_in_target = SortedIterationSet(self.partial_reduce_ops_in_target)
+        reduce_ops = getattr(self, "partial_reduce_ops_in_target", None)
+        if isinstance(reduce_ops, set):
+            self.partial_reduce_ops_in_target = SortedIterationSet(reduce_ops)
 
     patch(
         planner, "__init__", init_with_sorted_reduce_ops, expects=expects_function("torch.distributed.tensor", "self")

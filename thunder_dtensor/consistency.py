@@ -86,6 +86,12 @@ def describe_op(bsym: ti.BoundSymbol) -> str:
     return f"{bsym.sym.name}({ins}) -> ({outs})"
 
 
+#: lowered symbols that issue no communication: a wait only blocks until its collective is done, and its
+#: place legitimately differs by rank (each is placed before the first use, and with uneven shards a rank's
+#: local program may use the gathered value earlier); the order collectives are issued in is what must agree
+_ISSUE_NO_COMMUNICATION = frozenset({"wait_tensor"})
+
+
 def program_ops(traces: Sequence[tuple[str, Any]]) -> list[str]:
     """The dtensor ops of ``(label, trace)`` pairs, in execution order, each prefixed with its label."""
     ops = []
@@ -93,6 +99,8 @@ def program_ops(traces: Sequence[tuple[str, Any]]) -> list[str]:
         if trace is None:
             continue
         for bsym in trace.bound_symbols:
+            if bsym.sym.name in _ISSUE_NO_COMMUNICATION:
+                continue
             if getattr(bsym.sym, "executor", None) in (dtensor_ex, dtensor_comm_ex):
                 ops.append(f"{label}: {describe_op(bsym)}")
     return ops

@@ -1082,6 +1082,13 @@ def _flatten(bsyms: list) -> list:
     return out
 
 
+def _is_empty_dtensor(p: Any) -> bool:
+    """A DTensor with no elements. Only global shapes decide: a local tensor (``to_local``'s output,
+    ``from_local``'s input) can be empty on one rank only (uneven shards), and every rank must lower alike,
+    or their programs (their collectives included) differ."""
+    return isinstance(p, DTensorProxy) and 0 in tuple(p.shape)
+
+
 def _not_lowered(record: Any) -> str | None:
     """Why the prim of ``record`` is never lowered, or None."""
     if record.not_lowered is not None:
@@ -1125,7 +1132,7 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
             continue
         saved = state.snapshot()
         try:
-            if any(_is_tensor_proxy(p) and 0 in tuple(p.shape) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)):
+            if any(_is_empty_dtensor(p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)):
                 raise NotLowerable("an empty tensor (thunder's backward of empty values)")
             if i in pairs:
                 state.lower_joint(bsym, bsyms[pairs[i]], pairs[i])

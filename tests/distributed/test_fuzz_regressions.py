@@ -397,3 +397,46 @@ def test_alias_updates_compile_to_the_same_program_on_every_rank(lowering, monke
     inputs = [make_full((6, 8, 7), seed=1, dtype=torch.float64), make_full((6, 8, 7), seed=2, dtype=torch.float64)]
     case = DTensorCase(fn, inputs, [[Replicate()], [Partial()]], mesh=mesh_1d())
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@pytest.mark.world_size(4)
+def test_a_to_local_empty_on_one_rank_is_lowered_on_every_rank(monkeypatch):
+    """Seeds 78 and 144 at world size 4: a sharded dim of 3 rows gives rank 3 an empty local tensor. The lowering
+    kept ``to_local`` / ``from_local`` eager when a *local* tensor was empty, so rank 3 compiled another program
+    than the other ranks (the rank-consistency check says so). It now decides from global shapes only."""
+    monkeypatch.setenv("THUNDER_DTENSOR_CHECK_COLLECTIVES", "1")
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = x.expand(2, 3, 16).amax(dim=0, keepdim=True)
+        if isinstance(y, DTensor):  # the identity on full tensors (plain torch)
+            y = DTensor.from_local(y.to_local(), y.device_mesh, y.placements, shape=y.shape, stride=y.stride())
+        return F.linear(y.transpose(0, 2), w)
+
+    inputs = [make_full((3, 16), seed=1), make_full((5, 1), seed=2)]
+    case = DTensorCase(fn, inputs, [[Shard(0)], [Replicate()]], mesh=mesh_1d())
+    run_case(case, jit_kwargs={"dtensor_lowering": True})
+
+
+@pytest.mark.world_size(4)
+def test_waits_placed_differently_by_rank_do_not_fail_the_consistency_check(monkeypatch):
+    """Seed 163 at world size 4 (2x2 mesh, uneven shards): each wait is placed before its value's first use, which
+    differs by rank where a rank's local program un-pads a gathered value. The ranks issue the same collectives
+    in the same order; only the collectives' issue order is compared now, not where the waits are."""
+    monkeypatch.setenv("THUNDER_DTENSOR_CHECK_COLLECTIVES", "1")
+
+    def fn(x, w1, b2, o3, w4):
+        y = F.layer_norm(x, (2,)) - 1.5
+        y = F.linear(y.reshape(10).split(5, dim=0)[0], w1, b2)
+        return F.linear(torch.cat([y[..., ::2], o3], dim=-1), w4)
+
+    shapes = [(5, 2), (3, 5), (3,), (3,), (2, 5)]
+    inputs = [make_full(shape, seed=i) for i, shape in enumerate(shapes)]
+    placements = [
+        [Partial(), Shard(1)],
+        [Partial(), Shard(1)],
+        [Shard(0), Shard(0)],
+        [Replicate(), Replicate()],
+        [Shard(1), Shard(1)],
+    ]
+    case = DTensorCase(fn, inputs, placements, mesh=mesh_2d(2))
+    run_case(case, jit_kwargs={"dtensor_lowering": True}, compare_eager=False)  # eager cannot flatten it

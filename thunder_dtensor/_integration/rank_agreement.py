@@ -28,12 +28,8 @@ from thunder_dtensor._integration.registry import expects_function, installer, p
 
 
 def stable_hash(value: Any) -> int:
-    """``hash(value)``, the same in every process for strings (and tuples of them) too."""
-    if isinstance(value, str):
-        return zlib.crc32(value.encode())
-    if isinstance(value, tuple):
-        return hash(tuple(stable_hash(v) for v in value))
-    return hash(value)
+    """``hash(value)``, the same in every process for a string too (a reduce op's name)."""
+    return zlib.crc32(value.encode()) if isinstance(value, str) else hash(value)
 
 
 def _partial_hash(self: Any) -> int:

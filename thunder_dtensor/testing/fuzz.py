@@ -1069,12 +1069,7 @@ def _check_ranks_agree(what: str, placements: Any) -> None:
     ranks chose differently (each rank decides DTensor's strategies on its own) fails here, named, instead of
     hanging in the next collective.
     """
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, repr(placements))
+    gathered, _ = _agree(repr(placements))
     if len(set(gathered)) > 1:
         raise RanksDisagree(
             f"{what} placements differ by rank: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(gathered))

@@ -619,6 +619,9 @@ class Runner:
     first_call_s: float | None = None
     first_loss: float | None = None
     times: list = field(default_factory=list)
+    #: main-thread CPU seconds of each timed step: compute and per-op overhead, without the time spent waiting
+    cpu_times: list = field(default_factory=list)
+    last_cpu_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def zero_grad(self) -> None:
@@ -698,10 +701,11 @@ def _error(e: BaseException) -> str:
 
 
 def timed_step(r: Runner) -> tuple[float, torch.Tensor | None, str | None]:
-    """One step after a barrier; (this rank's seconds, the loss, an error string or None)."""
+    """One step after a barrier; (this rank's seconds, the loss, an error string or None). The step's
+    main-thread CPU seconds go to ``r.last_cpu_s``."""
     r.zero_grad()
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     try:
         loss = r.step()
         _sync()
@@ -709,7 +713,9 @@ def timed_step(r: Runner) -> tuple[float, torch.Tensor | None, str | None]:
         if dist.get_rank() == 0 and os.environ.get("BENCH_TRACEBACKS"):
             traceback.print_exc()
         return time.perf_counter() - t0, None, _error(e)
-    return time.perf_counter() - t0, loss, None
+    seconds = time.perf_counter() - t0
+    r.last_cpu_s = time.thread_time() - c0
+    return seconds, loss, None
 
 
 def _cuda_peak_reset() -> None:
@@ -839,11 +845,13 @@ def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_
                     r.error, r.step = f"timed step: {err or 'failed on another rank'}", None
                     continue
                 r.times.append(seconds)
+                r.cpu_times.append(r.last_cpu_s)
     finally:
         gc.enable()
     for r in runners:
         if r.times:
             r.times = _max_over_ranks(r.times)
+            r.cpu_times = _max_over_ranks(r.cpu_times)
         if r.compiled is not None and r.extra.get("thunder"):
             try:
                 r.extra["cache_misses"] = thunder.cache_misses(r.compiled)
@@ -862,6 +870,7 @@ def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_
                 "p75_ms": ms[(3 * len(ms)) // 4],
                 "steps": len(ms),
                 "times_ms": [round(t, 4) for t in (x * 1e3 for x in r.times)],
+                "median_cpu_ms": statistics.median(t * 1e3 for t in r.cpu_times),
             }
         if r.first_loss is not None:
             entry["first_loss"] = r.first_loss
@@ -898,6 +907,10 @@ def _add_ratios(results: dict) -> None:
         for e in v.values():
             if "median_ms" in e:
                 e[base] = e["median_ms"] / ref
+    compiled_cpu = v.get("torch.compile", {}).get("median_cpu_ms")
+    for e in v.values():
+        if compiled_cpu and e.get("median_cpu_ms"):
+            e["cpu_ratio_to_torch_compile"] = e["median_cpu_ms"] / compiled_cpu
     if eager_loss is not None:
         for e in v.values():
             if e.get("first_loss") is not None:
@@ -971,12 +984,17 @@ def write_markdown(report: dict, path: Path) -> None:
         + ("; **--quick** (smoke test: few rounds)" if report["args"]["quick"] else ""),
         "",
         "Median step time over interleaved rounds (max over ranks per step); ratios < 1 are faster than the "
-        "reference. First call = trace/compile + first step. Compare ratios within one run only.",
+        "reference. First call = trace/compile + first step. Compare ratios within one run only. CPU ms: the "
+        "step's main-thread CPU time (median, max over ranks): compute and per-op overhead, without the time "
+        "spent waiting on collectives or the other rank.",
         "",
     ]
     cuda = m["device"] == "cuda"
     cpu_memory = any("peak_step_mem_mb" in e for r in report["results"] for e in r["variants"].values())
-    header = "| workload | size | variant | median step ms | x eager | x torch.compile | x limit | first call s |"
+    header = (
+        "| workload | size | variant | median step ms | x eager | x torch.compile | x limit | first call s "
+        "| CPU ms | CPU x torch.compile |"
+    )
     if cuda:
         header += " peak mem MB |"
     elif cpu_memory:
@@ -988,7 +1006,8 @@ def write_markdown(report: dict, path: Path) -> None:
             row = [res["workload"], res["size"], name]
             if e.get("error"):
                 notes.append(f"- {res['workload']} {res['size']} `{name}`: {e['error']}")
-                row += ["error", "", "", "", _fmt(e.get("first_call_s"), ".2f") if e.get("first_call_s") else ""]
+                first = _fmt(e.get("first_call_s"), ".2f") if e.get("first_call_s") else ""
+                row += ["error", "", "", "", first, "", ""]
             else:
                 row += [
                     _fmt(e.get("median_ms"), ".3f"),
@@ -996,6 +1015,8 @@ def write_markdown(report: dict, path: Path) -> None:
                     _fmt(e.get("ratio_to_torch_compile"), ".2f"),
                     _fmt(e.get("ratio_to_limit"), ".2f") if "ratio_to_limit" in e else "",
                     _fmt(e.get("first_call_s"), ".2f"),
+                    _fmt(e.get("median_cpu_ms"), ".3f"),
+                    _fmt(e.get("cpu_ratio_to_torch_compile"), ".2f"),
                 ]
             if cuda:
                 row.append(_fmt(e.get("peak_mem_mb"), ".1f"))

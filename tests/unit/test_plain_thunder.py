@@ -261,6 +261,76 @@ def test_cpu_activations_and_norms_train_with_torchs_kernels():
     assert [r.info for info in compiled._backend.subgraph_infos for r in info.split_reasons] == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_trains_with_torchs_flash_kernel(dtype):
+    """``scaled_dot_product_attention`` of CPU tensors without mask or dropout (a causal LLM's, its q, k, v
+    transposed views) runs and trains with torch's CPU flash kernel, eager's values and gradients; with a mask
+    (which the kernel's backward does not differentiate) thunder's own decomposition stays."""
+    import thunder
+    import torch.nn.functional as F
+
+    def causal(q, k, v):
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3).transpose(1, 2)
+
+    def masked(q, k, v):
+        mask = torch.ones(3, 3, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for fn, flash in ((causal, True), (masked, False)):
+        g = torch.Generator().manual_seed(0)
+        qkv = [torch.randn(2, 5, 3, 8, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
+        qkv2 = [t.detach().clone().requires_grad_() for t in qkv]
+        jfn = thunder.jit(fn)
+        out, expected = jfn(*qkv), fn(*qkv2)
+        cot = torch.randn(out.shape, generator=g, dtype=dtype)
+        out.backward(cot)
+        expected.backward(cot)
+        torch.testing.assert_close(out, expected, **tol)
+        for actual, eager in zip(qkv, qkv2, strict=True):
+            torch.testing.assert_close(actual.grad, eager.grad, **tol)
+        forward, backward = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+        assert ("cpu_flash_attention(" in forward) is flash, forward
+        assert ("cpu_flash_attention_backward(" in backward) is flash, backward
+
+
+def test_complex_views_train_with_each_other_as_gradients():
+    """``view_as_complex`` / ``view_as_real`` of CPU tensors (a complex RoPE, and a complex leaf) differentiate
+    by each other, with eager's values and gradients, non-contiguous cotangents included, and none of thunder's
+    per-call ``torch.autograd.functional.vjp`` fallbacks in the backward."""
+    import thunder
+
+    freqs = torch.polar(torch.ones(8, 2), torch.randn(8, 2, generator=torch.Generator().manual_seed(0)))
+
+    def rope(x):  # the Llama's rotary embedding, then a transpose: the cotangent reaches it non-contiguous
+        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs.reshape(1, 8, 1, 2)).flatten(3).transpose(1, 2)
+
+    x, g = assert_jit_matches_eager(rope, (2, 8, 4, 4))
+    z = torch.randn(3, 5, dtype=torch.complex64, requires_grad=True)
+    z2 = z.detach().clone().requires_grad_()
+
+    def scaled(z):  # a complex leaf through view_as_real, its cotangent a transposed real tensor
+        return torch.view_as_real(z * (1 + 2j)).transpose(0, 2)
+
+    jfn = thunder.jit(scaled)
+    out = jfn(z)
+    cot = torch.randn_like(out)
+    out.backward(cot)
+    scaled(z2).backward(cot)
+    torch.testing.assert_close(out, scaled(z2))
+    torch.testing.assert_close(z.grad, z2.grad)
+    jrope = thunder.jit(rope)
+    jrope(x).backward(g)
+    for jitted in (jrope, jfn):
+        backward = str(thunder.last_backward_traces(jitted)[-1])
+        assert "_vjp(" not in backward
+        assert "cpu_view_as_real_backward(" in backward
+    assert "cpu_view_as_complex(" in str(thunder.last_traces(jrope)[-1])
+    assert "cpu_view_as_complex_backward(" in str(thunder.last_backward_traces(jrope)[-1])
+
+
 _ALIAS_ORDER_PROGRAM = """
 import thunder_dtensor, thunder, torch
 def fn(x, o):

@@ -1,6 +1,6 @@
 """Speed-ups (kind ``speedup``; ``THUNDER_DTENSOR_SPEEDUPS=0`` turns them off): module calls, partials and
 thunder's own helpers run outside the interpreter, signatures read once; on CPU, gelu, silu and layer_norm train
-with torch's kernels."""
+with torch's kernels, and complex views with each other as gradients."""
 
 from __future__ import annotations
 
@@ -578,7 +578,135 @@ def _eager_kernels_executor() -> Any:
     ex.register_implementation(
         ltorch.layer_norm, checker=_on_cpu, execution_transform=layer_norm_forward, grad_transform=layer_norm_grad
     )
+    _register_complex_views(ex)
+    _register_cpu_flash_attention(ex)
     return ex
+
+
+def _flash_attention_runs(
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, **_: Any
+) -> bool:
+    """Whether torch's CPU flash-attention kernel takes this call as it is: 4-D plain CPU float tensors of
+    the same batch and head counts and one head size, keys and values of one length, no mask, no dropout."""
+    return (
+        _on_cpu(query, key, value)
+        and attn_mask is None
+        and isinstance(dropout_p, int | float)
+        and dropout_p == 0.0
+        and query.ndim == key.ndim == value.ndim == 4
+        and tuple(query.shape[:2]) == tuple(key.shape[:2]) == tuple(value.shape[:2])
+        and query.shape[3] == key.shape[3] == value.shape[3] > 0
+        and key.shape[2] == value.shape[2] > 0
+        and query.shape[2] > 0
+    )
+
+
+def _with_unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _register_cpu_flash_attention(ex: Any) -> None:
+    """``scaled_dot_product_attention`` of plain CPU tensors with torch's fused CPU kernel, forward and
+    backward, where eager would pick it too (no mask, no dropout: a causal LLM's attention). thunder 0.2.6
+    decomposes SDPA into matmuls, a softmax and a mask on CPU (its ``sdpa`` executor claims CUDA only):
+    about 15 ops forward and 30 backward, and the full score matrix saved for the backward."""
+    import thunder.torch as ltorch
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.transforms import get_grad, put_grad
+
+    aten = torch.ops.aten
+
+    def flash_meta(q: Any, k: Any, v: Any, is_causal: bool, scale: Any) -> tuple:
+        stats = dtypes.float32 if q.dtype in (dtypes.bfloat16, dtypes.float16) else q.dtype
+        return TensorProxy(like=q), TensorProxy(like=q, shape=tuple(q.shape[:3]), dtype=stats)
+
+    def run_flash(q, k, v, is_causal, scale):  # noqa: ANN001, ANN202
+        q, k, v = (_with_unit_last_stride(t) for t in (q, k, v))
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+
+    def flash_backward_meta(g: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, is_causal: bool, scale: Any) -> tuple:
+        return TensorProxy(like=q), TensorProxy(like=k), TensorProxy(like=v)
+
+    def run_flash_backward(g, q, k, v, out, lse, is_causal, scale):  # noqa: ANN001, ANN202
+        q, k, v = (_with_unit_last_stride(t) for t in (q, k, v))
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g.contiguous(), q, k, v, out, lse, 0.0, is_causal, scale=scale
+        )
+
+    flash = ex.register_operator("cpu_flash_attention", meta=flash_meta, fn=run_flash)
+    flash_backward = ex.register_operator(
+        "cpu_flash_attention_backward", meta=flash_backward_meta, fn=run_flash_backward
+    )
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
+        return flash(query, key, value, is_causal, scale)[0]
+
+    def sdpa_grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
+        out, lse = flash(query, key, value, is_causal, scale)
+        grads = flash_backward(get_grad(out), query, key, value, out, lse, is_causal, scale)
+        for x, g in zip((query, key, value), grads):
+            put_grad(x, g)
+        return out
+
+    ex.register_implementation(
+        ltorch.scaled_dot_product_attention,
+        checker=_flash_attention_runs,
+        execution_transform=sdpa,
+        grad_transform=sdpa_grad,
+    )
+
+
+def _complex_on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
+    """A plain (not DTensor) complex CPU tensor."""
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+
+    return type(a) is TensorProxy and a.device.devicetype.name == "CPU" and dtypes.is_complex_dtype(a.dtype)
+
+
+def _register_complex_views(ex: Any) -> None:
+    """``view_as_complex`` / ``view_as_real`` (a complex RoPE) differentiated by each other, as torch's autograd
+    does. thunder 0.2.6 registers them automatically, with a backward that runs
+    ``torch.autograd.functional.vjp`` on every call: about 90 µs against 2 µs for the view, four times per
+    Llama block's step."""
+    import thunder.torch as ltorch
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.transforms import get_grad, put_grad
+
+    def complex_meta(a: Any) -> Any:
+        return TensorProxy(like=a, shape=tuple(a.shape[:-1]), dtype=dtypes.corresponding_complex_dtype(a.dtype))
+
+    def real_meta(a: Any) -> Any:
+        return TensorProxy(like=a, shape=(*a.shape, 2), dtype=dtypes.corresponding_real_dtype(a.dtype))
+
+    as_complex = ex.register_operator("cpu_view_as_complex", meta=complex_meta, fn=torch.view_as_complex)
+    as_real = ex.register_operator("cpu_view_as_real", meta=real_meta, fn=torch.view_as_real)
+    # torch's own backward formulas: a gradient may be non-contiguous, or (complex) an unresolved conjugate
+    as_complex_backward = ex.register_operator(
+        "cpu_view_as_complex_backward", meta=real_meta, fn=lambda g: torch.view_as_real(g.contiguous().resolve_conj())
+    )
+    as_real_backward = ex.register_operator(
+        "cpu_view_as_real_backward", meta=complex_meta, fn=lambda g: torch.view_as_complex(g.contiguous())
+    )
+
+    def view_as_complex_grad(a: Any, /) -> Any:
+        out = as_complex(a)
+        put_grad(a, as_complex_backward(get_grad(out)))
+        return out
+
+    def view_as_real_grad(a: Any, /) -> Any:
+        out = as_real(a)
+        put_grad(a, as_real_backward(get_grad(out)))
+        return out
+
+    ex.register_implementation(
+        ltorch.view_as_complex, checker=_on_cpu, execution_transform=as_complex, grad_transform=view_as_complex_grad
+    )
+    ex.register_implementation(
+        ltorch.view_as_real, checker=_complex_on_cpu, execution_transform=as_real, grad_transform=view_as_real_grad
+    )
 
 
 def _a_list_of_executors(original: Any) -> str | None:
@@ -594,7 +722,8 @@ def _a_list_of_executors(original: Any) -> str | None:
 def run_cpu_activations_and_norms_with_torch_kernels() -> None:
     """Put an executor first among thunder's default executors that claims ``gelu``, ``silu`` and
     ``layer_norm`` of plain CPU tensors, forward and backward, with torch's kernels (see
-    :func:`_eager_kernels_executor`). Programs given an explicit ``executors=`` list keep it; other devices and
+    :func:`_eager_kernels_executor`), and ``view_as_complex`` / ``view_as_real`` with each other as gradients
+    (:func:`_register_complex_views`). Programs given an explicit ``executors=`` list keep it; other devices and
     DTensors are not claimed (nvFuser fuses the decompositions on GPUs)."""
     import thunder.extend
 
@@ -615,10 +744,13 @@ class _TorchWithEmptyMetaTensors(types.ModuleType):
 
     A meta tensor has no values, so the two are the same tensor; torch's meta ``randn`` runs its Python
     reference implementation (about 36 µs against 2 µs), and the bridge makes one in each training call's
-    forward (the dummy linking its two autograd Functions) and one in its backward."""
+    forward (the dummy linking its two autograd Functions) and one in its backward. Other names are torch's,
+    each looked up once and kept (the bridge reads ``torch.Tensor`` once per output and saved tensor)."""
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+        value = getattr(torch, name)
+        setattr(self, name, value)
+        return value
 
     @staticmethod
     def randn(*size: Any, **kwargs: Any) -> torch.Tensor:

@@ -59,7 +59,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.call_partials_outside_the_interpreter()  # and the partials every TP hook calls
     _integration.run_interpreter_helpers_directly()  # and x[k], k in x, unpacking, names: no helper frames
     _integration.bind_symbols_with_cached_signatures()  # a symbol's meta signature is read once
-    _integration.run_cpu_activations_and_norms_with_torch_kernels()  # CPU gelu/silu/layer_norm: torch's kernels
+    _integration.run_cpu_ops_with_torch_kernels()  # CPU gelu/silu/layer_norm/complex views/SDPA: torch's kernels
     _integration.make_autograd_dummies_without_random_numbers()  # per-call time: no meta randn per training call
 
     from thunder_dtensor import tp_hooks

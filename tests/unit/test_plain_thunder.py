@@ -224,7 +224,7 @@ def _silu_of_model_plus_gelu(model: torch.nn.Module):
 
 def test_cpu_activations_and_norms_train_with_torchs_kernels():
     """On CPU, gelu, silu and layer_norm of plain tensors run and train with torch's kernels (the speed-up
-    ``run_cpu_activations_and_norms_with_torch_kernels``): eager's values and gradients, in fp32 and bf16."""
+    ``run_cpu_ops_with_torch_kernels``): eager's values and gradients, in fp32 and bf16."""
     import thunder
 
     for dtype in (torch.float32, torch.bfloat16):

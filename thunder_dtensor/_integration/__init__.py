@@ -48,8 +48,9 @@ What is patched, and why:
 * FSDP2's forward hooks become lookasides that put its all-gathers and casts into the program, and reads of
   its parameters inside a module's forward give the unsharded values (``install_fsdp_support``).
 * On CPU, ``gelu``, ``silu`` and ``layer_norm`` of plain tensors run and train with torch's kernels, and
-  ``view_as_complex`` / ``view_as_real`` are differentiated by each other: an executor first among thunder's
-  default ones (``run_cpu_activations_and_norms_with_torch_kernels``).
+  ``view_as_complex`` / ``view_as_real`` are differentiated by each other, and causal attention trains with
+  torch's CPU flash kernel: an executor first among thunder's
+  default ones (``run_cpu_ops_with_torch_kernels``).
 * thunder's interpreter runs ``x[k]``, ``k in x``, unpacking, global name lookups, bound-method calls and the
   merges of ``*args`` / ``**kwargs`` calls on exact builtin containers without interpreting its own helper
   functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time);
@@ -213,7 +214,7 @@ from thunder_dtensor._integration.speedups import (
     dispatch_module_calls_outside_the_interpreter,
     make_autograd_dummies_without_random_numbers,
     register_lookaside,
-    run_cpu_activations_and_norms_with_torch_kernels,
+    run_cpu_ops_with_torch_kernels,
     run_interpreter_helpers_directly,
     tensor_parallel_style_functions,
     thunders_own_interpreter_paths,
@@ -431,7 +432,7 @@ __all__ = [
     "register_torch_function",
     "rng_state",
     "route_unknown_torch_functions",
-    "run_cpu_activations_and_norms_with_torch_kernels",
+    "run_cpu_ops_with_torch_kernels",
     "run_interpreter_helpers_directly",
     "register_gradient_hooks_on_real_tensors",
     "replay_the_state_the_program_leaves",

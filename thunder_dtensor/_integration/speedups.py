@@ -1,6 +1,7 @@
 """Speed-ups (kind ``speedup``; ``THUNDER_DTENSOR_SPEEDUPS=0`` turns them off): module calls, partials and
 thunder's own helpers run outside the interpreter, signatures read once; on CPU, gelu, silu and layer_norm train
-with torch's kernels, and complex views with each other as gradients."""
+with torch's kernels, complex views with each other as gradients, and causal attention with the CPU flash
+kernel."""
 
 from __future__ import annotations
 
@@ -718,12 +719,13 @@ def _a_list_of_executors(original: Any) -> str | None:
     return "thunder.extend's list of default executors, without ours"
 
 
-@installer("speedup", "gelu, silu and layer_norm on CPU tensors train with torch's kernels, not decompositions")
-def run_cpu_activations_and_norms_with_torch_kernels() -> None:
+@installer("speedup", "gelu, silu, layer_norm, complex views and causal SDPA on CPU train with torch's kernels")
+def run_cpu_ops_with_torch_kernels() -> None:
     """Put an executor first among thunder's default executors that claims ``gelu``, ``silu`` and
     ``layer_norm`` of plain CPU tensors, forward and backward, with torch's kernels (see
     :func:`_eager_kernels_executor`), and ``view_as_complex`` / ``view_as_real`` with each other as gradients
-    (:func:`_register_complex_views`). Programs given an explicit ``executors=`` list keep it; other devices and
+    (:func:`_register_complex_views`), and attention without mask or dropout with torch's CPU flash kernel
+    (:func:`_register_cpu_flash_attention`). Programs given an explicit ``executors=`` list keep it; other devices and
     DTensors are not claimed (nvFuser fuses the decompositions on GPUs)."""
     import thunder.extend
 

@@ -666,6 +666,13 @@ def _complex_on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
     return type(a) is TensorProxy and a.device.devicetype.name == "CPU" and dtypes.is_complex_dtype(a.dtype)
 
 
+def _complex_viewable_on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
+    """A plain (not DTensor) CPU tensor of a real dtype that has a complex counterpart (not bfloat16)."""
+    from thunder.core import dtypes
+
+    return _on_cpu(a) and a.dtype in (dtypes.float16, dtypes.float32, dtypes.float64)
+
+
 def _register_complex_views(ex: Any) -> None:
     """``view_as_complex`` / ``view_as_real`` (a complex RoPE) differentiated by each other, as torch's autograd
     does. thunder 0.2.6 registers them automatically, with a backward that runs
@@ -703,7 +710,10 @@ def _register_complex_views(ex: Any) -> None:
         return out
 
     ex.register_implementation(
-        ltorch.view_as_complex, checker=_on_cpu, execution_transform=as_complex, grad_transform=view_as_complex_grad
+        ltorch.view_as_complex,
+        checker=_complex_viewable_on_cpu,
+        execution_transform=as_complex,
+        grad_transform=view_as_complex_grad,
     )
     ex.register_implementation(
         ltorch.view_as_real, checker=_complex_on_cpu, execution_transform=as_real, grad_transform=view_as_real_grad

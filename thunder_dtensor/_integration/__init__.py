@@ -47,10 +47,9 @@ What is patched, and why:
   computed values, tensors saved for the backward then written in place, ...).
 * FSDP2's forward hooks become lookasides that put its all-gathers and casts into the program, and reads of
   its parameters inside a module's forward give the unsharded values (``install_fsdp_support``).
-* On CPU, ``gelu``, ``silu`` and ``layer_norm`` of plain tensors run and train with torch's kernels, and
+* On CPU, ``gelu``, ``silu`` and ``layer_norm`` of plain tensors run and train with torch's kernels,
   ``view_as_complex`` / ``view_as_real`` are differentiated by each other, and causal attention trains with
-  torch's CPU flash kernel: an executor first among thunder's
-  default ones (``run_cpu_ops_with_torch_kernels``).
+  torch's CPU flash kernel: an executor first among thunder's default ones (``run_cpu_ops_with_torch_kernels``).
 * thunder's interpreter runs ``x[k]``, ``k in x``, unpacking, global name lookups, bound-method calls and the
   merges of ``*args`` / ``**kwargs`` calls on exact builtin containers without interpreting its own helper
   functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time);

@@ -621,7 +621,6 @@ class Runner:
     times: list = field(default_factory=list)
     #: main-thread CPU seconds of each timed step: compute and per-op overhead, without the time spent waiting
     cpu_times: list = field(default_factory=list)
-    last_cpu_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def zero_grad(self) -> None:
@@ -700,9 +699,9 @@ def _error(e: BaseException) -> str:
     return text if len(text) < 600 else text[:600] + " ..."
 
 
-def timed_step(r: Runner) -> tuple[float, torch.Tensor | None, str | None]:
-    """One step after a barrier; (this rank's seconds, the loss, an error string or None). The step's
-    main-thread CPU seconds go to ``r.last_cpu_s``."""
+def timed_step(r: Runner) -> tuple[float, float, torch.Tensor | None, str | None]:
+    """One step after a barrier; (this rank's seconds, its main thread's CPU seconds, the loss, an error string
+    or None)."""
     r.zero_grad()
     dist.barrier()
     c0, t0 = time.thread_time(), time.perf_counter()
@@ -712,10 +711,8 @@ def timed_step(r: Runner) -> tuple[float, torch.Tensor | None, str | None]:
     except Exception as e:  # a variant may fail; the run goes on
         if dist.get_rank() == 0 and os.environ.get("BENCH_TRACEBACKS"):
             traceback.print_exc()
-        return time.perf_counter() - t0, None, _error(e)
-    seconds = time.perf_counter() - t0
-    r.last_cpu_s = time.thread_time() - c0
-    return seconds, loss, None
+        return time.perf_counter() - t0, time.thread_time() - c0, None, _error(e)
+    return time.perf_counter() - t0, time.thread_time() - c0, loss, None
 
 
 def _cuda_peak_reset() -> None:
@@ -746,7 +743,7 @@ def first_calls(w: Workload, names: list[str]) -> list[Runner]:
             built = built or "failed on another rank"
         _cuda_peak_reset()
         if built is None:
-            seconds, loss, err = timed_step(r)
+            seconds, _cpu, loss, err = timed_step(r)
         else:
             seconds, loss, err = 0.0, None, built
         if torch.cuda.is_available():
@@ -812,7 +809,7 @@ def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_
         rss_before = _rss_peak_reset() if w.measure_memory and not torch.cuda.is_available() else None
         times, err = [], None
         for _ in range(warmup):
-            seconds, _loss, err = timed_step(r)
+            seconds, _cpu, _loss, err = timed_step(r)
             if not _all_ranks_ok(err is None):  # every rank leaves together: the collectives stay matched
                 err = err or "failed on another rank"
                 break
@@ -840,12 +837,12 @@ def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_
             for r in live:
                 if r.step is None:
                     continue
-                seconds, _loss, err = timed_step(r)
+                seconds, cpu_seconds, _loss, err = timed_step(r)
                 if not _all_ranks_ok(err is None):
                     r.error, r.step = f"timed step: {err or 'failed on another rank'}", None
                     continue
                 r.times.append(seconds)
-                r.cpu_times.append(r.last_cpu_s)
+                r.cpu_times.append(cpu_seconds)
     finally:
         gc.enable()
     for r in runners:

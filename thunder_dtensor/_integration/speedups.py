@@ -468,18 +468,25 @@ def run_interpreter_helpers_directly() -> None:
 EAGER_KERNELS_EXECUTOR_NAME = "cpu_eager_kernels"
 
 
-def _on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
-    """Plain (not DTensor) floating-point CPU tensors only, every tensor argument on the same device."""
-    from thunder.core import dtypes
+def _plain_on_cpu(dtype_ok: Callable[[Any], bool], a: Any, *args: Any, **kwargs: Any) -> bool:
+    """Plain (not DTensor) CPU tensors only, ``a`` of a dtype ``dtype_ok`` accepts, every tensor argument on
+    the same device."""
     from thunder.core.proxies import TensorProxy
 
     tensors = [x for x in (a, *args, *kwargs.values()) if isinstance(x, TensorProxy)]
     return (
         type(a) is TensorProxy
         and a.device.devicetype.name == "CPU"
-        and dtypes.is_float_dtype(a.dtype)
+        and dtype_ok(a.dtype)
         and all(type(x) is TensorProxy and x.device == a.device for x in tensors)
     )
+
+
+def _on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
+    """Plain (not DTensor) floating-point CPU tensors only, every tensor argument on the same device."""
+    from thunder.core import dtypes
+
+    return _plain_on_cpu(dtypes.is_float_dtype, a, *args, **kwargs)
 
 
 @functools.cache
@@ -661,9 +668,8 @@ def _register_cpu_flash_attention(ex: Any) -> None:
 def _complex_on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
     """A plain (not DTensor) complex CPU tensor."""
     from thunder.core import dtypes
-    from thunder.core.proxies import TensorProxy
 
-    return type(a) is TensorProxy and a.device.devicetype.name == "CPU" and dtypes.is_complex_dtype(a.dtype)
+    return _plain_on_cpu(dtypes.is_complex_dtype, a, *args, **kwargs)
 
 
 def _complex_viewable_on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:

@@ -71,6 +71,7 @@ bench: setup
 		--out benchmarks/results/fsdp
 	$(RUN2) benchmarks/no_rule.py
 	$(RUN2) benchmarks/overhead.py --out benchmarks/results/overhead --label "make bench"
+	$(RUN2) benchmarks/breakdown.py --rounds 150 --out benchmarks/results/breakdown
 
 lint: setup
 	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts benchmarks

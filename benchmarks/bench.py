@@ -11,8 +11,9 @@ backward; gradients set to None between steps) of a tensor-parallel model, run b
 - ``thunder_on_tcex``: ``thunder_on`` with thunder's torch.compile executor listed first
   (``executors=[torch_compile_ex, *thunder.get_default_executors()]``): inductor fuses the lowered local math
   between collectives;
-- ``limit`` (the block only): the same math written by hand on local shards with explicit functional
-  collectives and a hand-written backward: what a lowered program can at best reach with ATen kernels.
+- ``limit`` / ``limit_compiled``: the same math written by hand on local shards with explicit functional
+  collectives (the block with a hand-written backward, the models in ``model_limits.py``), run eagerly and
+  ``torch.compile``d; the faster of the two is the limit.
 
 Method (docs: benchmarks/README.md): per workload and size, every variant's first call is timed (trace /
 compile plus the first step), then each is warmed up, then the variants run in interleaved rounds
@@ -61,6 +62,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from model_limits import limit_gpt, limit_llama  # noqa: E402  (benchmarks/, next to this file)
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.parallel import (  # noqa: E402
     ColwiseParallel,
@@ -570,7 +572,14 @@ def gpt_workload(size: str) -> Workload:
     if cfg.unfused_attention:
         desc += ", unfused attention"
     return Workload(
-        "gpt", size, desc, lambda: parallelize(copy.deepcopy(full), mesh, sequence_parallel=True), (idx,), tgt, loss_fn
+        "gpt",
+        size,
+        desc,
+        lambda: parallelize(copy.deepcopy(full), mesh, sequence_parallel=True),
+        (idx,),
+        tgt,
+        loss_fn,
+        lambda: limit_gpt(full, mesh, loss_fn),
     )
 
 
@@ -590,6 +599,7 @@ def llama_workload(size: str) -> Workload:
         (tokens,),
         labels,
         llama_loss,
+        lambda: limit_llama(full, mesh, llama_loss),
     )
 
 
@@ -789,7 +799,7 @@ def check_limit(runners: list[Runner]) -> None:
             _log(f"  {name:14s} DROPPED: {limit.error}")
         else:
             limit.extra["checked_against_eager"] = True
-            _log(f"  {name:14s} loss and gradients equal eager's (values and placements)")
+            _log(f"  {name:14s} loss and gradients equal eager's")
 
 
 def measure(w: Workload, names: list[str], *, warmup: int, budget_s: float, min_rounds: int, max_rounds: int) -> dict:

@@ -72,6 +72,10 @@ def _cases() -> list:
 
 
 PLACEMENTS = {"S0": [Shard(0)], "S1": [Shard(1)], "R": [Replicate()]}
+#: float32 tolerances per op: matmul's gradient sums in an order that depends on the CPU's BLAS kernels (on an
+#: AMD EPYC, the expanded case's gradient is 7.2e-5 from the float64 value under thunder and 2.2e-4 in plain
+#: float32 torch: both are rounding, and they differ by 4.6e-5 at values of about 36)
+TOLERANCES = {"matmul": {"rtol": 1e-5, "atol": 1e-4}}
 #: the prim names (substrings) of the layout makers and of the ops above
 LAYOUT_PRIM = {"transposed": "transpose", "sliced": "getitem", "expanded": "expand"}
 OP_PRIM = {"reshape": "reshape", "unflatten": "unflatten", "mul": "_mul_prim", "matmul": "matmul"}
@@ -109,7 +113,7 @@ def test_non_contiguous_values_cross_between_lowered_and_eager_prims(layout, op,
     # lowered_into_eager: the op after the layout change stays eager; eager_into_lowered: the layout maker does
     word = OP_PRIM[op] if direction == "lowered_into_eager" else LAYOUT_PRIM[layout]
     with kept_eager(fn, [x], _prim_name_has(word)) as kept:
-        result = run_case(case, label=f"{layout}/{op}/{placement}/{direction}")
+        result = run_case(case, label=f"{layout}/{op}/{placement}/{direction}", **TOLERANCES.get(op, {}))
         executed = "\n".join(str(t) for t in (thunder.last_traces(result.jitted)[-1],))
         assert "not lowered (runs eager DTensor): kept eager by the test" in executed, kept
 

@@ -59,10 +59,9 @@ from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize 
 import thunder  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed._functional_collectives as funcol  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from model_limits import limit_gpt, limit_llama  # noqa: E402  (benchmarks/, next to this file)
+from model_limits import all_gather_dim, limit_gpt, limit_llama, reduce_scatter_dim  # noqa: E402  (benchmarks/, next to this file)
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.parallel import (  # noqa: E402
     ColwiseParallel,
@@ -151,13 +150,11 @@ def block_loss(out: torch.Tensor, _target: Any = None) -> torch.Tensor:
 
 
 def _all_gather_seq(t: torch.Tensor, group: Any) -> torch.Tensor:
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    return funcol.wait_tensor(gather(t.contiguous(), 1, group))
+    return all_gather_dim(t, 1, group)
 
 
 def _reduce_scatter_seq(t: torch.Tensor, group: Any) -> torch.Tensor:
-    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return funcol.wait_tensor(scatter(t.contiguous(), "sum", 1, group))
+    return reduce_scatter_dim(t, 1, group)
 
 
 class _LimitBlockFn(torch.autograd.Function):

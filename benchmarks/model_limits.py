@@ -2,8 +2,8 @@
 
 Each limit is what a Megatron-style tensor-parallel program written by hand does: plain tensors (this rank's
 shards of the full model's weights, cut as the model's ``parallelize_module`` plan cuts them) and the
-collectives eager DTensor runs for that plan, no more, from ``torch.distributed._functional_collectives``
-(their autograd forms, or a small ``autograd.Function`` where a replicated value's gradient needs none).
+collectives eager DTensor runs for that plan, no more: ``torch.distributed._functional_collectives``, each in a
+small ``autograd.Function`` with the collective of its gradient (none where a replicated value's needs none).
 Gradients come out with eager DTensor's values and placements (``check_against``, run by the bench before
 timing). ``bench.py`` runs each eagerly (``limit``) and ``torch.compile``d (``limit_compiled``).
 """
@@ -23,19 +23,44 @@ SEQ = 1  # the sequence dim of (batch, seq, features) activations
 
 # the "_single" names are torch >= 2.11's; older releases (torch 2.10, the GPU bench's) have the others only
 _gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-_scatter_autograd = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
-def _gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sequence shards -> the whole sequence on every rank; the gradient is reduce-scattered back."""
-    return _gather_autograd(x.contiguous(), SEQ, group)
+def all_gather_dim(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along ``dim`` (a functional all-gather, waited on: a plain tensor)."""
+    return funcol.wait_tensor(_gather(t.contiguous(), dim, group))
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+def reduce_scatter_dim(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """This rank's part along ``dim`` of the sum of every rank's ``t`` (a functional reduce-scatter, waited on)."""
+    return funcol.wait_tensor(_scatter(t.contiguous(), "sum", dim, group))
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Sequence shards -> the whole sequence on every rank; the gradient (partial sums) is reduce-scattered back."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # noqa: ANN001, ANN205
+        ctx.group = group
+        return all_gather_dim(x, SEQ, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return reduce_scatter_dim(grad, SEQ, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
     """Partial sums over the whole sequence -> this rank's sequence shard of their sum; the gradient is
     all-gathered."""
-    return _scatter_autograd(x.contiguous(), "sum", SEQ, group)
+
+    @staticmethod
+    def forward(ctx, x, group):  # noqa: ANN001, ANN205
+        ctx.group = group
+        return reduce_scatter_dim(x, SEQ, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return all_gather_dim(grad, SEQ, ctx.group), None
 
 
 class _GatherReplicated(torch.autograd.Function):
@@ -45,7 +70,7 @@ class _GatherReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, rank, size):  # noqa: ANN001, ANN205
         ctx.dim, ctx.rank, ctx.size = dim, rank, size
-        return funcol.wait_tensor(_gather(x.contiguous(), dim, group))
+        return all_gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
@@ -63,8 +88,7 @@ class _SliceReplicated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        whole = funcol.wait_tensor(_gather(grad.contiguous(), ctx.dim, ctx.group))
-        return whole, None, None, None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 class _SplitBias(torch.autograd.Function):
@@ -92,7 +116,7 @@ class RowwiseToSeqShards(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else _SplitBias.apply(self.bias, self.size)
-        return _reduce_scatter_seq(F.linear(x, self.weight, bias), self.group)
+        return _ReduceScatterSeq.apply(F.linear(x, self.weight, bias), self.group)
 
 
 class ColwiseToReplicated(nn.Module):
@@ -105,7 +129,7 @@ class ColwiseToReplicated(nn.Module):
         self.group, self.rank, self.size = group, rank, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(_gather_seq(x, self.group), self.weight)
+        local = F.linear(_GatherSeq.apply(x, self.group), self.weight)
         return _GatherReplicated.apply(local, local.dim() - 1, self.group, self.rank, self.size)
 
 
@@ -123,7 +147,7 @@ class VocabParallelEmbedding(nn.Module):
         local = tokens - self.first
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return _reduce_scatter_seq(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return _ReduceScatterSeq.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
 def _shard_colwise(linear: nn.Linear, rank: int, size: int) -> None:
@@ -138,7 +162,7 @@ def _gather_seq_first_arg(group: Any):  # noqa: ANN202
     the first argument."""
 
     def hook(_module: nn.Module, args: tuple) -> tuple:
-        return (_gather_seq(args[0], group), *args[1:])
+        return (_GatherSeq.apply(args[0], group), *args[1:])
 
     return hook
 

@@ -36,31 +36,26 @@ def reduce_scatter_dim(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return funcol.wait_tensor(_scatter(t.contiguous(), "sum", dim, group))
 
 
-class _GatherSeq(torch.autograd.Function):
-    """Sequence shards -> the whole sequence on every rank; the gradient (partial sums) is reduce-scattered back."""
+class _SequenceCollective(torch.autograd.Function):
+    """Sequence shards -> the whole sequence on every rank (``gather``), or partial sums over the whole sequence ->
+    this rank's sequence shard of their sum (not ``gather``); the gradient takes the other collective back."""
 
     @staticmethod
-    def forward(ctx, x, group):  # noqa: ANN001, ANN205
-        ctx.group = group
-        return all_gather_dim(x, SEQ, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        return reduce_scatter_dim(grad, SEQ, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Partial sums over the whole sequence -> this rank's sequence shard of their sum; the gradient is
-    all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # noqa: ANN001, ANN205
-        ctx.group = group
-        return reduce_scatter_dim(x, SEQ, group)
+    def forward(ctx, x, group, gather):  # noqa: ANN001, ANN205
+        ctx.group, ctx.gather = group, gather
+        return (all_gather_dim if gather else reduce_scatter_dim)(x, SEQ, group)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        return all_gather_dim(grad, SEQ, ctx.group), None
+        return (reduce_scatter_dim if ctx.gather else all_gather_dim)(grad, SEQ, ctx.group), None, None
+
+
+def _gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _SequenceCollective.apply(x, group, True)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _SequenceCollective.apply(x, group, False)
 
 
 class _GatherReplicated(torch.autograd.Function):
@@ -116,7 +111,7 @@ class RowwiseToSeqShards(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else _SplitBias.apply(self.bias, self.size)
-        return _ReduceScatterSeq.apply(F.linear(x, self.weight, bias), self.group)
+        return _reduce_scatter_seq(F.linear(x, self.weight, bias), self.group)
 
 
 class ColwiseToReplicated(nn.Module):
@@ -129,7 +124,7 @@ class ColwiseToReplicated(nn.Module):
         self.group, self.rank, self.size = group, rank, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(_GatherSeq.apply(x, self.group), self.weight)
+        local = F.linear(_gather_seq(x, self.group), self.weight)
         return _GatherReplicated.apply(local, local.dim() - 1, self.group, self.rank, self.size)
 
 
@@ -147,7 +142,7 @@ class VocabParallelEmbedding(nn.Module):
         local = tokens - self.first
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return _ReduceScatterSeq.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return _reduce_scatter_seq(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
 def _shard_colwise(linear: nn.Linear, rank: int, size: int) -> None:
@@ -162,7 +157,7 @@ def _gather_seq_first_arg(group: Any):  # noqa: ANN202
     the first argument."""
 
     def hook(_module: nn.Module, args: tuple) -> tuple:
-        return (_GatherSeq.apply(args[0], group), *args[1:])
+        return (_gather_seq(args[0], group), *args[1:])
 
     return hook
 

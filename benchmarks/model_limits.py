@@ -4,8 +4,9 @@ Each limit is what a Megatron-style tensor-parallel program written by hand does
 shards of the full model's weights, cut as the model's ``parallelize_module`` plan cuts them) and the
 collectives eager DTensor runs for that plan, no more: ``torch.distributed._functional_collectives``, each in a
 small ``autograd.Function`` with the collective of its gradient (none where a replicated value's needs none).
-Gradients come out with eager DTensor's values and placements (``check_against``, run by the bench before
-timing). ``bench.py`` runs each eagerly (``limit``) and ``torch.compile``d (``limit_compiled``).
+Gradients come out with eager DTensor's values, placed as eager places them except where a limit says
+otherwise (``grad_placements``; ``check_against``, run by the bench before timing). ``bench.py`` runs each
+eagerly (``limit``) and ``torch.compile``d (``limit_compiled``).
 """
 
 from __future__ import annotations

@@ -61,7 +61,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from model_limits import all_gather_dim, limit_gpt, limit_llama, reduce_scatter_dim  # noqa: E402  (benchmarks/, next to this file)
+from model_limits import (  # noqa: E402  (benchmarks/, next to this file)
+    LIMIT_TOL,
+    SEQ,
+    all_gather_dim,
+    limit_gpt,
+    limit_llama,
+    reduce_scatter_dim,
+)
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.parallel import (  # noqa: E402
     ColwiseParallel,
@@ -76,7 +83,6 @@ VARIANTS = ("eager", "torch.compile", "thunder_off", "thunder_on", "thunder_on_t
 LIMITS = ("limit", "limit_compiled")
 BLOCK_TOKENS = 256
 #: limit vs eager DTensor (fp32; the limit sums in a different order)
-LIMIT_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def _log(*args: Any) -> None:
@@ -149,14 +155,6 @@ def block_loss(out: torch.Tensor, _target: Any = None) -> torch.Tensor:
     return out.pow(2).mean()
 
 
-def _all_gather_seq(t: torch.Tensor, group: Any) -> torch.Tensor:
-    return all_gather_dim(t, 1, group)
-
-
-def _reduce_scatter_seq(t: torch.Tensor, group: Any) -> torch.Tensor:
-    return reduce_scatter_dim(t, 1, group)
-
-
 class _LimitBlockFn(torch.autograd.Function):
     """The SP block on local shards; forward and backward by hand, with the collectives eager DTensor does.
 
@@ -171,10 +169,10 @@ class _LimitBlockFn(torch.autograd.Function):
     def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, group, eps):  # noqa: ANN001, ANN205
         hidden = x.shape[-1]
         z, mean, rstd = torch.ops.aten.native_layer_norm(x, [hidden], ln_w, ln_b, eps)
-        zg = _all_gather_seq(z, group)
+        zg = all_gather_dim(z, SEQ, group)
         a = F.linear(zg, w1, b1)
         g = F.gelu(a)
-        y = _reduce_scatter_seq(F.linear(g, w2), group)
+        y = reduce_scatter_dim(F.linear(g, w2), SEQ, group)
         ctx.save_for_backward(x, ln_w, ln_b, mean, rstd, zg, a, g, w1, w2)
         ctx.group = group
         return x + y + b2
@@ -183,7 +181,7 @@ class _LimitBlockFn(torch.autograd.Function):
     def backward(ctx, dout):  # noqa: ANN001, ANN205
         x, ln_w, ln_b, mean, rstd, zg, a, g, w1, w2 = ctx.saved_tensors
         hidden = x.shape[-1]
-        dyg = _all_gather_seq(dout, ctx.group)
+        dyg = all_gather_dim(dout, SEQ, ctx.group)
         dyg2 = dyg.reshape(-1, hidden)
         db2 = dyg2.sum(0)
         dw2 = dyg2.t() @ g.reshape(-1, g.shape[-1])
@@ -191,7 +189,7 @@ class _LimitBlockFn(torch.autograd.Function):
         da2 = da.reshape(-1, da.shape[-1])
         dw1 = da2.t() @ zg.reshape(-1, hidden)
         db1 = da2.sum(0)
-        dz = _reduce_scatter_seq(da @ w1, ctx.group)
+        dz = reduce_scatter_dim(da @ w1, SEQ, ctx.group)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         dx_norm, dln_w, dln_b = torch.ops.aten.native_layer_norm_backward(dz, x, [hidden], mean, rstd, ln_w, ln_b, mask)
         dx = dout + dx_norm if ctx.needs_input_grad[0] else None

@@ -69,13 +69,6 @@ def _profile(r: bench.Runner) -> dict:
     }
 
 
-def _max_over_ranks(values: dict) -> dict:
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(keys, t.tolist()))
-
-
 def breakdown(w: bench.Workload, variants: list[str], rounds: int) -> dict:
     runners = []
     for name in variants:
@@ -99,7 +92,8 @@ def breakdown(w: bench.Workload, variants: list[str], rounds: int) -> dict:
             "cpu_ms": statistics.median(c for _, c in timed[r.name]) * 1e3,
             **_profile(r),
         }
-        row = _max_over_ranks(row)
+        keys = sorted(row)
+        row = dict(zip(keys, bench._max_over_ranks([float(row[k]) for k in keys])))
         row["wait_per_collective_us"] = row["wait_ms"] * 1e3 / row["collectives"] if row["collectives"] else 0.0
         out[r.name] = row
     return out

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 SEQ = 1  # the sequence dim of (batch, seq, features) activations
+#: how close a limit's loss and gradients must be to eager DTensor's (float32, other summation orders)
+LIMIT_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 # the "_single" names are torch >= 2.11's; older releases (torch 2.10, the GPU bench's) have the others only
 _gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -167,7 +169,6 @@ class _LocalModelLimit:
     """The common part: parameters by name, the loss (the same on every rank) and the check against eager."""
 
     loss_is_partial = False
-    TOL = {"rtol": 1e-4, "atol": 1e-5}
 
     def __init__(self, model: nn.Module, mesh: Any, loss: Any, grad_placements: dict | None = None) -> None:
         self.model, self.mesh, self._loss = model, mesh, loss
@@ -187,7 +188,7 @@ class _LocalModelLimit:
         """Loss and every gradient (whole values) equal eager DTensor's; each gradient is placed as eager's unless
         ``grad_placements`` says otherwise. Raises otherwise."""
         full_loss = eager_loss.full_tensor() if isinstance(eager_loss, DTensor) else eager_loss
-        torch.testing.assert_close(limit_loss.detach(), full_loss.detach(), **self.TOL, msg=lambda m: f"loss: {m}")
+        torch.testing.assert_close(limit_loss.detach(), full_loss.detach(), **LIMIT_TOL, msg=lambda m: f"loss: {m}")
         ours = dict(self.model.named_parameters())
         for name, p in eager_model.named_parameters():
             grad, expected = ours[name].grad, p.grad
@@ -195,7 +196,7 @@ class _LocalModelLimit:
                 placements = self.grad_placements.get(name, expected.placements)
                 grad = DTensor.from_local(grad, self.mesh, placements, run_check=False).full_tensor()
                 expected = expected.full_tensor()
-            torch.testing.assert_close(grad, expected, **self.TOL, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(grad, expected, **LIMIT_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def limit_llama(full: nn.Module, mesh: Any, loss: Any) -> _LocalModelLimit:

@@ -53,6 +53,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.set_cotangent_proxy_factory(guards.make_cotangent_proxy)
     _integration.make_isinstance_see_dtensor_proxies(DTensorProxy)
     _integration.make_placements_opaque()
+    _integration.call_proxy_conversions_whole(DTensorProxy)  # bool(x) of a DTensor raises naming its placements
     _integration.make_dtensor_choices_alike_on_every_rank()  # ranks choose strategies and plans alike
     _integration.read_root_module_state_from_user_module()
     _integration.dispatch_module_calls_outside_the_interpreter()  # first-call time: hook loops run in Python
@@ -70,6 +71,8 @@ if DISTRIBUTED_AVAILABLE:
 
     # every rank compiled the same DTensor ops (opt-in: THUNDER_DTENSOR_CHECK_COLLECTIVES=1)
     _integration.install_compiled_program_hook(consistency.check_compiled_program)
+    # a cotangent placed otherwise than traced gets the backward traced for its placements, as eager's backward
+    _integration.wrap_compiled_backwards(guards.backward_for_cotangent_placements)
 
     from thunder_dtensor.thunderfx import dtensor_node_support, plain_node_support
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 
-__all__ = ["DTensorOpError", "describe_argument", "first_line", "structural_hint"]
+__all__ = ["DTensorOpError", "DataDependentValueError", "describe_argument", "first_line", "structural_hint"]
 
 
 def first_line(error: BaseException) -> str:
@@ -81,3 +81,21 @@ class DTensorOpError(RuntimeError):
         self.hint = hint
         #: the inputs themselves are the cause (plain tensors among DTensors, several meshes): no rewrite helps
         self.structural = structural is not None
+
+
+class DataDependentValueError(DTensorOpError, NotImplementedError):
+    """A DTensor op whose result (a Python value, or an output's shape) depends on the data, which a trace cannot
+    fix: raised at trace time where plain thunder raises for the same call on plain tensors (its
+    ``NotImplementedError``, of which this is one)."""
+
+
+class DataDependentIndexError(DataDependentValueError, TypeError):
+    """``operator.index(x)`` of a DTensor: also the ``TypeError`` Python raises for an object that cannot be an
+    index (what plain thunder's proxies raise), so code that probes for an index with ``except TypeError`` works."""
+
+
+#: what a program can do instead of reading a DTensor's data into Python at trace time
+READ_AT_RUN_TIME_HINT = (
+    "read the value with x.item() (a number computed at run time), or keep it a tensor (torch.where for a "
+    "condition); thunderfx (thunder.dynamo) runs Python control flow on tensor values by splitting the graph"
+)

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy
+from thunder_dtensor.spec import DTensorMeta
 
-__all__ = ["check_dtensor_spec_repr", "dtensor_cotangent_to_spec_prim", "dtensor_input_key", "propagate_gradient_specs"]
+__all__ = [
+    "CotangentPlacementWarning",
+    "backward_for_cotangent_placements",
+    "check_dtensor_spec_repr",
+    "dtensor_cotangent_to_spec_prim",
+    "dtensor_input_key",
+    "propagate_gradient_specs",
+]
 
 
 def _always(*args: Any, **kwargs: Any) -> bool:
@@ -241,3 +251,211 @@ def make_cotangent_proxy(a: Any) -> DTensorProxy | None:
     if not isinstance(a, DTensorProxy):
         return None
     return DTensorProxy(meta=a.meta.as_cotangent(), device=a.device, requires_grad=a.requires_grad)
+
+
+# --- the backward, traced again for the placements its cotangents arrive with -------------------------------
+# thunder traces a program's backward once, with each DTensor output's cotangent placed as ``make_cotangent_proxy``
+# says (the output's placements, Partial read as Replicate). ``out.backward(gradient=g)``,
+# ``torch.autograd.grad(..., grad_outputs=...)`` and eager code downstream of the program may hand in a
+# cotangent placed otherwise (a Partial one, a Shard one for a replicated output). Eager's backward then runs
+# each op on those placements: other gradient placements, other collectives. Redistributing the cotangent to
+# the traced placements would give eager's values with a collective eager does not issue. Instead the joint
+# (forward + backward) trace is taken again with the cotangents' actual specs, its specs re-propagated and
+# compiled as thunder.jit compiled it; its forward must be the one that ran (the same symbols, matched
+# name by name), so its backward reads the values that forward saved. Each such backward is kept, by the
+# cotangents' placements, for the program's later calls.
+
+
+class CotangentPlacementWarning(UserWarning):
+    """A backward could not be traced for its cotangents' placements: they were redistributed to the traced ones
+    (eager's values; the gradients' placements and collectives may differ from eager's)."""
+
+
+def _unpacked(trace: ti.TraceCtx, collection: str) -> list | None:
+    """The outputs of the backward trace's ``... = <collection>`` unpacking (None where it has none)."""
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id == ti.prims.PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == collection:
+            return list(bsym.output)
+    return None
+
+
+def _is_joint(trace: ti.TraceCtx) -> bool:
+    """Whether ``trace`` is a joint forward + backward trace (its return names the forward's outputs apart)."""
+    if not trace.bound_symbols or trace.bound_symbols[-1].sym.id != ti.prims.PrimIDs.RETURN:
+        return False
+    returned = trace.bound_symbols[-1].args[0] if trace.bound_symbols[-1].args else None
+    return isinstance(returned, dict) and "fw_flat_out" in returned
+
+
+_NOT_COMPARED = {ti.prims.PrimIDs.DEL, ti.prims.PrimIDs.RETURN, ti.prims.PrimIDs.COMMENT}
+
+
+def _forward_names(ran: ti.TraceCtx, again: ti.TraceCtx) -> dict[str, str] | None:
+    """``again``'s proxy names -> ``ran``'s, where the two forward traces compute the same, symbol by symbol
+    (deletions aside); None where they differ."""
+    first = [b for b in ran.bound_symbols if b.sym.id not in _NOT_COMPARED]
+    second = [b for b in again.bound_symbols if b.sym.id not in _NOT_COMPARED]
+    if len(first) != len(second):
+        return None
+    names: dict[str, str] = {}
+    ran_names: dict[str, str] = {}  # and back: the correspondence is one to one
+    for a, b in zip(first, second):
+        if a.sym.name != b.sym.name:
+            return None
+        flat_a, flat_b = [*a.flat_args, *a.flat_outs], [*b.flat_args, *b.flat_outs]
+        if len(flat_a) != len(flat_b):
+            return None
+        for x, y in zip(flat_a, flat_b):
+            if isinstance(x, ti.Proxy) or isinstance(y, ti.Proxy):
+                if not (isinstance(x, ti.Proxy) and isinstance(y, ti.Proxy)):
+                    return None
+                if names.setdefault(y.name, x.name) != x.name or ran_names.setdefault(x.name, y.name) != y.name:
+                    return None
+                continue
+            try:
+                if type(x) is not type(y) or not bool(x == y):
+                    return None
+            except Exception:
+                return None
+    return names
+
+
+def joint_for_cotangent_specs(joint: ti.TraceCtx, specs: dict[str, Any]) -> ti.TraceCtx:
+    """``joint`` with the cotangents named in ``specs`` (``prims.get_grad`` outputs) given those specs, and the
+    backward's specs propagated from them (:func:`propagate_gradient_specs`)."""
+    trace = ti.from_trace(joint)
+    swap: dict = {}
+    bsyms: list = []
+    for bsym in joint.bound_symbols:
+        if swap:
+            bsym = bsym.from_bsym_swap_proxies(swap)
+        out = bsym.output
+        if bsym.sym.id == ti.prims.PrimIDs.GET_GRAD and isinstance(out, DTensorProxy) and out.name in specs:
+            spec = specs[out.name]
+            local_shape = ti.local_shape_on(tuple(out.shape), spec.mesh, tuple(spec.placements))
+            with ti.tracectx(trace):
+                placed = DTensorProxy(
+                    meta=DTensorMeta.from_spec(spec, local_shape), device=out.device, requires_grad=out.requires_grad
+                )
+            bsym = bsym.from_bsym(output=placed)
+            swap[ti.variableify(out)] = placed
+        bsyms.append(bsym)
+    trace.bound_symbols = bsyms
+    return propagate_gradient_specs(trace)
+
+
+def _readable_placements(placements: tuple) -> str:
+    return "(" + ", ".join(repr(p) for p in placements) + ")"
+
+
+class BackwardForCotangentPlacements:
+    """A compiled program's backward, called with the cotangents autograd hands in; where a DTensor cotangent's
+    placements differ from the traced ones, the backward traced for them (made once per placements, kept)."""
+
+    def __init__(
+        self,
+        backward_fn: Callable,
+        backward_trace: ti.TraceCtx,
+        forward_trace: ti.TraceCtx,
+        joint: ti.TraceCtx,
+        compile_context: tuple[Any, Any],
+        backward_traces: list,
+    ) -> None:
+        self.backward_fn = backward_fn
+        cotangents = _unpacked(backward_trace, "cotangents") or []
+        #: (position, name, traced spec) of each DTensor cotangent
+        self.traced = tuple((i, c.name, c.meta.spec) for i, c in enumerate(cotangents) if isinstance(c, DTensorProxy))
+        self.saved = [getattr(p, "name", None) for p in _unpacked(backward_trace, "C0") or ()]
+        self.saved_other = [getattr(p, "name", None) for p in _unpacked(backward_trace, "C1") or ()]
+        self.forward_trace = forward_trace
+        self.joint = joint
+        cd, cs = compile_context
+        # weakly: the compile data holds the cache that holds this backward
+        self._compile_data, self._compile_stats = weakref.ref(cd), (None if cs is None else weakref.ref(cs))
+        self.backward_traces = backward_traces
+        #: placements of the cotangents placed otherwise -> (backward, saved tensors' order, others' order), or None
+        self.variants: dict = {}
+
+    def __call__(self, saved_for_backward: list, cotangents: list) -> Any:
+        key = None
+        for i, _, spec in self.traced:
+            c = cotangents[i]
+            if isinstance(c, ti.DTensor):
+                actual = ti.dtensor_spec(c)
+                if actual.placements != spec.placements and actual.mesh == spec.mesh:
+                    key = (*(key or ()), (i, tuple(actual.placements)))
+        if key is None:
+            return self.backward_fn(saved_for_backward, cotangents)
+        if key not in self.variants:
+            self.variants[key] = self._compile(key)
+        variant = self.variants[key]
+        if variant is None:  # warned: the traced backward redistributes the cotangents it was not traced for
+            return self.backward_fn(saved_for_backward, cotangents)
+        backward_fn, order, other_order = variant
+        saved, other = saved_for_backward
+        reordered = [[saved[j] for j in order], [other[j] for j in other_order]]
+        for collection in (saved, other, saved_for_backward):
+            if isinstance(collection, list):  # as the traced backward empties them (thunder checks it)
+                collection.clear()
+        return backward_fn(reordered, cotangents)
+
+    def _compile(self, key: tuple) -> tuple | None:
+        by_position = {i: (name, spec) for i, name, spec in self.traced}
+        specs = {}
+        for i, placements in key:
+            name, spec = by_position[i]
+            specs[name] = ti.make_spec(spec.mesh, placements, spec.tensor_meta)
+        try:
+            cd = self._compile_data()
+            ti.check(cd is not None, lambda: "the jitted function's compile data is gone")
+            cs = None if self._compile_stats is None else self._compile_stats()
+            joint = joint_for_cotangent_specs(self.joint, specs)
+            forward, backward = ti.compile_joint_trace(joint, cd, cs)
+            ti.check(backward is not None, lambda: "the joint trace has no backward")
+            names = _forward_names(self.forward_trace, forward)
+            ti.check(names is not None, lambda: "its forward is not the forward that ran")
+            order = self._positions(_unpacked(backward, "C0") or [], names, self.saved)
+            other_order = self._positions(_unpacked(backward, "C1") or [], names, self.saved_other)
+            backward_fn = backward.python_callable()
+        except Exception as e:
+            traced = ", ".join(_readable_placements(spec.placements) for _, _, spec in self.traced)
+            actual = ", ".join(_readable_placements(p) for _, p in key)
+            warnings.warn(
+                f"the backward was traced for DTensor cotangents placed {traced}; autograd gave {actual}, and "
+                f"tracing the backward for them failed ({type(e).__name__}: {e}): they are redistributed to the "
+                "traced placements (eager's values; the gradients' placements and collectives may differ from "
+                "eager's)",
+                CotangentPlacementWarning,
+                stacklevel=2,
+            )
+            return None
+        self.backward_traces.append(backward)
+        return backward_fn, order, other_order
+
+    @staticmethod
+    def _positions(needed: list, names: dict[str, str], saved: list) -> list[int]:
+        positions = []
+        for p in needed:
+            ran = names.get(p.name)
+            ti.check(ran in saved, lambda p=p: f"its backward reads {p.name}, which the forward that ran did not save")
+            positions.append(saved.index(ran))
+        return positions
+
+
+def backward_for_cotangent_placements(entry: Any) -> Callable | None:
+    """The backward a compiled program keeps (``_integration.wrap_compiled_backwards``): its own, called through
+    :class:`BackwardForCotangentPlacements` when it has DTensor cotangents; None (its own, as is) otherwise."""
+    if not entry.backward_traces:
+        return None
+    backward_trace = entry.backward_traces[-1]
+    cotangents = _unpacked(backward_trace, "cotangents") or []
+    if not any(isinstance(c, DTensorProxy) for c in cotangents):
+        return None
+    joint = next((t for t in entry.computation_traces if _is_joint(t)), None)
+    forward = next((t for t in entry.computation_traces if ti.is_split_forward(t)), None)
+    cd, cs = ti.current_compile_context()
+    if joint is None or forward is None or cd is None:
+        return None
+    return BackwardForCotangentPlacements(
+        entry.backward_fn, backward_trace, forward, joint, (cd, cs), entry.backward_traces
+    )

@@ -35,6 +35,7 @@ from thunder_dtensor.primitive import (
     PRIMS,
     dtensor_rewritten_prim,
     is_generic_vjp,
+    is_runtime_number,
     propagate_on_fake_dtensors,
     to_torch_value,
     without_unused_vjp_gradients,
@@ -860,6 +861,8 @@ def _key(kind: str, name: str, flat: list, tree: Any, infos: list[tuple[int, _In
             info = by_position[i]
             # equal specs may sit on meshes with other process groups, which the traced collectives name
             return (info, None if info.spec is None else describe_value(info.spec.mesh))
+        if is_runtime_number(x):  # a traced graph would hold its trace-time stand-in
+            raise NotLowerable(f"it reads {x.name}, a number read from the data at run time")
         value = to_torch_value(x)
         if isinstance(value, torch.Tensor):
             raise NotLowerable("a tensor constant among the arguments")

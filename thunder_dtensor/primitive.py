@@ -14,7 +14,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.errors import DTensorOpError, first_line, structural_hint
+from thunder_dtensor.errors import (
+    READ_AT_RUN_TIME_HINT,
+    DataDependentValueError,
+    DTensorOpError,
+    first_line,
+    structural_hint,
+)
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy, proxy_for_value
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
@@ -27,6 +33,7 @@ __all__ = [
     "propagate_on_fake_dtensors",
     "propagated_fakes",
     "to_torch_value",
+    "is_runtime_number",
     "DTENSOR_PRIMS",
     "PRIMS",
     "PrimRecord",
@@ -94,14 +101,40 @@ def add_prim_record(symbol: ti.Symbol, **facts: Any) -> PrimRecord:
     return record
 
 
+def is_runtime_number(x: Any) -> bool:
+    """A number the program reads from its data (``x.item()``): it has a value only at run time.
+
+    Such a number is an argument of the prims that read it, never a constant of the trace: trace-time work
+    (sharding propagation) runs on stand-ins for it and refuses what depends on its value
+    (:func:`propagated_fakes`); the lowering and the rewrites, which would bake it into a graph, keep those
+    prims as eager DTensor ops, which get the number at run time.
+    """
+    return isinstance(x, ti.NumberProxy) and ti.pyval(x) is None
+
+
+#: the values a run-time number stands in as at trace time, by its Python type: two runs that differ in the
+#: stand-in tell whether an op's output metadata depends on the number (:func:`propagated_fakes`)
+_RUNTIME_NUMBER_STAND_INS: dict[type, tuple[Any, Any]] = {bool: (True, False), int: (1, 3), float: (1.5, 2.5)}
+_STAND_IN_CHOICE = [0]
+
+
+def _stand_in_number(x: Any) -> Any:
+    pytype = x.python_type
+    kind = next((t for t in (bool, int, float) if issubclass(pytype, t)), float)
+    if pytype is complex:
+        return complex(_RUNTIME_NUMBER_STAND_INS[float][_STAND_IN_CHOICE[0]], 0.5)
+    return _RUNTIME_NUMBER_STAND_INS[kind][_STAND_IN_CHOICE[0]]
+
+
 def to_torch_value(x: Any) -> Any:
-    """Map thunder's dtype/device values and number proxies to what torch functions take."""
+    """Map thunder's dtype/device values and number proxies to what torch functions take (a number read at run
+    time: its trace-time stand-in, see :func:`is_runtime_number`)."""
     if isinstance(x, ti.dtypes.dtype):
         return ti.dtypes.to_torch_dtype(x)
     if isinstance(x, ti.devices.Device):
         return ti.devices.to_torch_device(x)
     if isinstance(x, ti.NumberProxy):
-        return ti.static_number(x)
+        return _stand_in_number(x) if is_runtime_number(x) else ti.static_number(x)
     return x
 
 
@@ -239,7 +272,11 @@ def _propagation_key(op_name: str, flat: list, tree: Any) -> Any:
     """The exact signature of a fake run (None: not cacheable)."""
 
     def describe(x: Any) -> Any:
-        return _describe_proxy(x) if isinstance(x, ti.TensorProxy) else describe_value(to_torch_value(x))
+        if isinstance(x, ti.TensorProxy):
+            return _describe_proxy(x)
+        if is_runtime_number(x):
+            return ("number read at run time", x.python_type.__name__)
+        return describe_value(to_torch_value(x))
 
     return call_signature(op_name, flat, tree, describe)
 
@@ -267,9 +304,46 @@ def propagated_fakes(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict
     if ti.using_symbolic_values():  # the prologue then guards concrete shapes (guards.add_prologue_spec_checks)
         ti.note_dtensor_op_traced()
     key = _propagation_key(op_name, flat, tree)
+    compute = _fake_outputs_of_call
+    if any(is_runtime_number(x) for x in flat):
+        compute = _fake_outputs_independent_of_runtime_numbers
     return PROPAGATION_CACHE.get_or_compute(
-        key, lambda: _fake_outputs_of_call(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
+        key, lambda: compute(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
     )
+
+
+def _output_metadata(out: Any) -> list:
+    """What the trace fixes of an op's outputs: each tensor's shape, dtype and spec; other values themselves."""
+    leaves, _ = ti.torch_tree_flatten(out)
+    return [
+        (tuple(x.shape), x.dtype, ti.dtensor_spec(x) if isinstance(x, ti.DTensor) else None)
+        if isinstance(x, torch.Tensor)
+        else x
+        for x in leaves
+    ]
+
+
+def _fake_outputs_independent_of_runtime_numbers(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """The fake outputs of a call that reads a number known only at run time, run with two stand-ins for it:
+    where the output's shape, dtype or placements differ between them, the trace cannot fix them (a
+    data-dependent shape), and the op is refused at trace time instead of fixing the stand-in's."""
+    out = _fake_outputs_of_call(op_name, torch_fn, args, kwargs)
+    _STAND_IN_CHOICE[0] = 1
+    try:
+        again = _fake_outputs_of_call(op_name, torch_fn, args, kwargs)
+    finally:
+        _STAND_IN_CHOICE[0] = 0
+    if _output_metadata(out) != _output_metadata(again):
+        raise DataDependentValueError(
+            op_name,
+            args,
+            kwargs,
+            "its output's shape, dtype or placements depend on a number read from the data at run time "
+            "(an x.item() among its arguments), which a trace cannot fix",
+            hint="keep shapes independent of tensor values under thunder.jit; thunderfx (thunder.dynamo) runs "
+            "such code by splitting the graph, as for plain tensors",
+        )
+    return out
 
 
 #: sources of a generic vjp's fake gradients that save its own fake run: the lowering's joint trace, which the
@@ -329,8 +403,22 @@ def _caused_by(error: BaseException, kind: type | tuple) -> bool:
 def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
     def rejected(e: Exception) -> DTensorOpError:
         # DTensor's own rejection, reported with our context and a hint that fits its cause
-        hint = None if structural_hint(args, kwargs) else suggest_fix(torch_fn, args, kwargs)
-        return DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}", hint=hint)
+        if structural_hint(args, kwargs):
+            return DTensorOpError(op_name, args, kwargs, f"{type(e).__name__}: {e}")
+        plain_error = _runs_on_fake(torch_fn, args, kwargs, _plain_stand_in)
+        if isinstance(plain_error, ti.UNKNOWABLE_ON_FAKE_TENSORS):  # nonzero, unique, masked_select, x[mask]
+            return DataDependentValueError(
+                op_name,
+                args,
+                kwargs,
+                f"its output's shape depends on the data ({type(plain_error).__name__}), which a trace cannot fix; "
+                f"plain thunder refuses it on plain tensors too (DTensor: {type(e).__name__}: {first_line(e)})",
+                hint="compute it on local tensors outside the jitted function (x.full_tensor() or x.to_local()), "
+                "or keep shapes fixed (torch.where with a mask instead of selecting with it)",
+            )
+        return DTensorOpError(
+            op_name, args, kwargs, f"{type(e).__name__}: {e}", hint=suggest_fix(torch_fn, args, kwargs)
+        )
 
     # as at run time, where a prim that is not lowered runs under no_grad on inputs that may require grad
     try:
@@ -350,6 +438,16 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
                 out = torch_fn(*zero_args, **zero_kwargs)
         except Exception as zeros_error:
             raise rejected(zeros_error) from zeros_error
+        read = [type(x).__name__ for x in ti.torch_tree_flatten(out)[0] if not isinstance(x, torch.Tensor)]
+        if read:  # a Python value read from the data: the zeros' value would become a constant of the trace
+            raise DataDependentValueError(
+                op_name,
+                args,
+                kwargs,
+                f"it reads the data into a Python value ({', '.join(read)}), which a trace cannot fix; plain "
+                "thunder refuses it on plain tensors too",
+                hint=READ_AT_RUN_TIME_HINT,
+            ) from e
     if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
         out = tuple(out)
     record = PRIMS.get(op_name)

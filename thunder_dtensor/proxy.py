@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from thunder_dtensor import _integration as ti
+from thunder_dtensor.errors import READ_AT_RUN_TIME_HINT, DataDependentIndexError, DataDependentValueError
 from thunder_dtensor.spec import DTensorMeta
 
 import torch
@@ -55,6 +56,32 @@ class DTensorProxy(ti.TensorProxy):
         given by DTensor's sharding propagation for the values it computes), a constant of the trace."""
         stride = self.meta.stride
         return stride if dim is None else stride[dim]
+
+    # Reading a DTensor's data into Python at trace time: refused where plain thunder refuses it for a
+    # TensorProxy, with the op, the placements and what to do instead (see ops/scalars.py).
+    def _refuse_read(self, conversion: str, error: type = DataDependentValueError) -> DataDependentValueError:
+        return error(
+            f"Tensor.{conversion}",
+            (self,),
+            {},
+            f"{conversion[2:-2]}(x) reads the DTensor's data into a Python value, which a trace cannot fix",
+            hint=READ_AT_RUN_TIME_HINT,
+        )
+
+    def __bool__(self) -> bool:
+        raise self._refuse_read("__bool__")
+
+    def __float__(self) -> float:
+        raise self._refuse_read("__float__")
+
+    def __int__(self) -> int:
+        raise self._refuse_read("__int__")
+
+    def __complex__(self) -> complex:
+        raise self._refuse_read("__complex__")
+
+    def __index__(self) -> int:
+        raise self._refuse_read("__index__", DataDependentIndexError)
 
     def type_string(self) -> str:
         return f"DTensor {self.device.device_str()} {self.dtype.shortname()}{list(self._shape)} {self.meta.describe()}"

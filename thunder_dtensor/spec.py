@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any
 
 from thunder_dtensor import _integration as ti
 
 import torch
 
-__all__ = ["DTensorMeta", "contiguous_stride", "dense_stride_like"]
+__all__ = ["DTensorMeta", "MaskPartial", "as_traced_placement", "contiguous_stride", "dense_stride_like"]
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -93,3 +94,53 @@ class DTensorMeta:
             return self
         placements = tuple(ti.Replicate() if p.is_partial() else p for p in self.placements)
         return DTensorMeta(ti.make_spec(self.mesh, placements, self.spec.tensor_meta), self.local_shape)
+
+
+class MaskPartial(ti.Partial):
+    """The placement of a vocab-parallel embedding's output: a sum pending over a mesh dim, each rank holding
+    the rows of the ids in its vocabulary range and zeros elsewhere.
+
+    Eager DTensor calls it ``_MaskPartial`` and keeps the ids' mask in a buffer on the placement, which makes
+    eager's placement a per-call object. Ours is a plain value (equal by reduce op, vocabulary shape and dim;
+    the masking is done by the embedding prim itself), and its reductions are the plain ``Partial``'s. It must
+    not be a plain ``Partial``: DTensor's sharding rules pass a plain ``Partial(sum)`` through linear ops
+    (``x * 8.0``), but reduce a masked one first (only views and reductions keep it), and code written for
+    eager reads the placements that result (transformers' embedding wrapper skips its own reduction when it
+    sees ``Replicate``).
+    """
+
+    def __init__(self, reduce_op: str = "sum", offset_shape: tuple[int, ...] = (), offset_dim: int = 0) -> None:
+        super().__init__(reduce_op)
+        object.__setattr__(self, "offset_shape", torch.Size(int(n) for n in offset_shape))
+        object.__setattr__(self, "offset_dim", int(offset_dim))
+
+    def _key(self) -> tuple:
+        return (self.reduce_op, tuple(self.offset_shape), self.offset_dim)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is MaskPartial and other._key() == self._key()
+
+    def __hash__(self) -> int:
+        # the same in every process (a string's own hash is seeded per process)
+        return hash((zlib.crc32(self.reduce_op.encode()), tuple(self.offset_shape), self.offset_dim))
+
+    def __repr__(self) -> str:
+        shape = tuple(self.offset_shape)
+        return f"MaskPartial(reduce_op={self.reduce_op}, offset_shape={shape}, offset_dim={self.offset_dim})"
+
+    def __str__(self) -> str:
+        return f"MP({self.reduce_op})"
+
+    def __reduce__(self) -> tuple:
+        return (MaskPartial, self._key())
+
+    def __deepcopy__(self, memo: dict) -> MaskPartial:
+        return self
+
+
+def as_traced_placement(placement: Any) -> Any:
+    """The placement thunder_dtensor traces for a placement of eager's: eager's ``_MaskPartial`` is
+    :class:`MaskPartial`; any other placement is itself."""
+    if placement.is_partial() and type(placement).__name__ == "_MaskPartial":
+        return MaskPartial(placement.reduce_op, placement.offset_shape, placement.offset_dim)
+    return placement

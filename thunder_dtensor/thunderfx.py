@@ -24,6 +24,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.proxy import proxy_for_value
 from thunder_dtensor.sdpa_backends import is_sdpa_kernel_node
 from thunder_dtensor.signature import SignatureCache, Uncacheable, ambient_state, describe_value
+from thunder_dtensor.spec import as_traced_placement
 
 import torch
 
@@ -52,14 +53,12 @@ def _thunder_callable(node: torch.fx.Node) -> Callable | None:
 def _spec_as_traced(spec: Any) -> Any:
     """The spec thunder_dtensor traces for a value dynamo describes with ``spec``.
 
-    Symbolic sizes (dynamic shapes) read as their hints. Eager's stateful Partial subclasses become the
-    plain Partial our ops give: the vocab-parallel embedding is eager's ``_MaskPartial``, whose mask exists
-    only after a real lookup, and thunder_dtensor's ``Partial(sum)`` (see ``ops/embedding.py``).
+    Symbolic sizes (dynamic shapes) read as their hints. Eager's ``_MaskPartial`` (the vocab-parallel
+    embedding's output, whose mask exists only after a real lookup) is our :class:`MaskPartial`, which DTensor's
+    rules treat alike (see ``ops/embedding.py``).
     """
     spec = ti.spec_with_sizes(spec, spec.tensor_meta.shape, spec.tensor_meta.stride)
-    placements = tuple(
-        ti.Partial(p.reduce_op) if p.is_partial() and type(p) is not ti.Partial else p for p in spec.placements
-    )
+    placements = tuple(as_traced_placement(p) for p in spec.placements)
     return spec if placements == tuple(spec.placements) else ti.make_spec(spec.mesh, placements, spec.tensor_meta)
 
 
@@ -104,10 +103,32 @@ def dtensor_node_support(node: torch.fx.Node) -> tuple[bool, str | None] | None:
     if fn is None:
         return False, f"node {node.name} ({node.target}) on DTensors has no thunder_dtensor mapping"
     try:
-        ti.trace_on_proxies(fn, lambda: _proxy_inputs(node))
+        out = ti.trace_on_proxies(fn, lambda: _proxy_inputs(node))
     except Exception as e:  # the reason thunderfx records for the split
         return False, f"node {node.name} ({node.target}) on DTensors failed under thunder_dtensor: {e}"
+    unlike = _placements_unlike_eager(node, out)
+    if unlike:  # dynamo recorded the code after this node for eager's placements: eager runs the node
+        return False, f"node {node.name} ({node.target}): thunder_dtensor places {unlike}"
     return True, None
+
+
+def _placements_unlike_eager(node: torch.fx.Node, out: Any) -> str:
+    """How the placements of ``out`` (the node's outputs traced by thunder_dtensor) differ from those dynamo
+    recorded for it (eager DTensor's), "" where they agree.
+
+    Dynamo runs the program's Python on eager's placements (``if x.placements[0].is_partial(): ...``), so the
+    graph after a node holds only for eager's placements; a node thunder would place otherwise stays eager.
+    """
+    eager = [v for v in ti.torch_tree_flatten(node.meta.get("example_value"))[0] if isinstance(v, ti.DTensor)]
+    # torch's pytree: a value thunder's cannot flatten (a node reading ``x.device_mesh``) is a leaf
+    ours = [p for p in ti.torch_tree_flatten(out)[0] if isinstance(p, ti.TensorProxy) and hasattr(p, "placements")]
+    if len(eager) != len(ours):
+        return ""  # no one-to-one reading of the outputs (a method returning self, say): nothing to compare
+    for i, (e, o) in enumerate(zip(eager, ours)):
+        expected = tuple(as_traced_placement(p) for p in e.placements)
+        if expected != tuple(o.placements):
+            return f"output {i} {tuple(o.placements)} where eager DTensor places it {expected}"
+    return ""
 
 
 #: thunder's answer for nodes without DTensors, by call signature: a repeated layer's nodes are checked once

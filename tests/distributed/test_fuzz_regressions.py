@@ -440,3 +440,47 @@ def test_waits_placed_differently_by_rank_do_not_fail_the_consistency_check(monk
     ]
     case = DTensorCase(fn, inputs, placements, mesh=mesh_2d(2))
     run_case(case, jit_kwargs={"dtensor_lowering": True}, compare_eager=False)  # eager cannot flatten it
+
+
+def test_thunderfx_graph_reading_the_mesh_after_a_graph_break():
+    """Seed 2 at world size 2: after dynamo's break at ``if y.mean() > 0.1``, a node of the next graph reads
+    ``y.device_mesh``; the check of its placements against eager's flattened the mesh with thunder's pytree."""
+    from thunder.dynamo import thunderfx
+
+    def fn(x):
+        y = -x if x.mean() > 0.1 else x - 1.0
+        t = y.to_local() * 2.0
+        return DTensor.from_local(t, y.device_mesh, y.placements, shape=y.shape, stride=y.stride())
+
+    full = make_full((8, 5), seed=1)
+    x = distribute_tensor(full, mesh_1d(), [Shard(0)]).requires_grad_()
+    out = thunderfx(fn)(x)
+    plain = full.clone().requires_grad_()
+    expected = -plain if plain.mean() > 0.1 else plain - 1.0
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), expected * 2.0)
+    out.sum().backward()
+    expected.mul(2.0).sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), plain.grad)
+
+
+def test_thunderfx_graph_whose_only_output_is_detached():
+    """Seed 4 at world size 4: dynamo's graph before ``.item()`` is ``x.detach().sum()``; detach's generic grad
+    rule put a kept no-op into an otherwise empty backward, which thunder's split of the joint trace rejected."""
+    from thunder.dynamo import thunderfx
+
+    def fn(x):
+        s = x.detach().sum().item()
+        return x * s, s
+
+    full = make_full((4, 2, 16), seed=1)
+    # replicated: dynamo runs .item() eagerly, and eager's item() of a Partial sum is the rank's own part
+    x = distribute_tensor(full, mesh_1d(), [Replicate()]).requires_grad_()
+    out, s = thunderfx(fn)(x)
+    plain = full.clone().requires_grad_()
+    expected, expected_s = fn(plain)
+    assert s == pytest.approx(expected_s, rel=1e-5)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), plain.grad)

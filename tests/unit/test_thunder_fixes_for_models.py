@@ -88,6 +88,26 @@ def test_named_parameters_in_the_module_order():
         assert a.shape == b.shape
 
 
+class _DropsItsBias(torch.nn.Linear):
+    """transformers' rowwise style under no_grad: the bias is set to None inside the forward, and restored."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self._parameters["bias"]
+        self._parameters["bias"] = None
+        names = [name for name, _ in self.named_parameters()]
+        out = super().forward(x) * len(names)
+        self._parameters["bias"] = bias
+        return out
+
+
+def test_named_parameters_leave_out_a_parameter_the_program_set_to_none():
+    module = _DropsItsBias(3, 2)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(thunder.jit(module)(x), module(x))  # one name: weight
+    assert module.bias is not None
+
+
 def _normalize_in_place(x: torch.Tensor) -> torch.Tensor:
     top, _ = torch.topk(x * 2, 2, dim=-1)
     top /= top.sum(-1, keepdim=True)  # (Mixtral's router)

@@ -31,6 +31,9 @@ What is patched, and why:
   (``inplace_torchsymbol``).
 * ``thunder.CacheEntry`` is built through a subclass that first shows each compiled program to a hook
   (``install_compiled_program_hook``: the opt-in rank-consistency check).
+* A second subclass of ``thunder.CacheEntry`` hands each compiled program's ``backward_fn`` to the package, which
+  calls it, or a backward compiled again from the joint trace for cotangents placed otherwise than traced
+  (``wrap_compiled_backwards``, ``compile_joint_trace``: thunder.jit's steps after its grad transform).
 * thunderfx's splitter asks this package about nodes with DTensors or a device mesh, skips thunder's
   translation to its experimental prims, passes the mesh through its example-input metadata, and gives
   thunder.jit graph modules already compiled to Python (``install_thunderfx_support``).
@@ -152,10 +155,13 @@ from thunder_dtensor._integration.compile_pipeline import (
     TraceProvenance,
     below_autograd,
     claiming_operator,
+    compile_joint_trace,
+    current_compile_context,
     get_compile_option,
     group_name,
     install_lowering,
     is_functional_collective,
+    is_split_forward,
     let_torch_executors_claim,
     make_fx,
     mesh_group_names,
@@ -241,6 +247,7 @@ from thunder_dtensor._integration.thunder_hooks import (
     accept_dtensor_proxies,
     bind_unpack_dtensor_spec,
     bind_unpack_local_tensor,
+    call_proxy_conversions_whole,
     grad_enabled_while_tracing,
     inplace_argument_index,
     inplace_torchsymbol,
@@ -268,6 +275,7 @@ from thunder_dtensor._integration.thunder_hooks import (
     torchsymbol,
     traced_dtensor_ops,
     using_symbolic_values,
+    wrap_compiled_backwards,
 )
 from thunder_dtensor._integration.thunderfx import (
     fx_example_value,
@@ -375,6 +383,10 @@ __all__ = [
     "inplace_torchsymbol",
     "install_autocast_hook",
     "install_compiled_program_hook",
+    "wrap_compiled_backwards",
+    "compile_joint_trace",
+    "current_compile_context",
+    "is_split_forward",
     "install_fsdp_support",
     "install_lowering",
     "install_sdpa_kernel_support",
@@ -408,6 +420,7 @@ __all__ = [
     "make_autograd_dummies_without_random_numbers",
     "make_dtensor_choices_alike_on_every_rank",
     "make_isinstance_see_dtensor_proxies",
+    "call_proxy_conversions_whole",
     "make_placements_opaque",
     "make_prim",
     "make_spec",

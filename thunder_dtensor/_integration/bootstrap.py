@@ -463,12 +463,17 @@ def clear_sharding_propagation_cache() -> None:
     """Drop DTensor's cached sharding and redistribution decisions.
 
     Some carry state: the placements of eager's vocab-parallel embedding (``_MaskPartial``) hold a mask
-    buffer, which a fake run (dynamo's) fills with a fake tensor of its fake mode.
+    buffer, which a lookup whose output is never reduced leaves filled (with a real tensor, or a fake one of a
+    dynamo run), and the next fake run of the same lookup then fails comparing its mask with it. torch >= 2.13
+    also keeps a C++ cache of the same decisions.
     """
     from torch.distributed.tensor import _redistribute
 
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     _redistribute._gen_transform_infos.cache_clear()
+    clear_native_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native_cache is not None:
+        clear_native_cache()
 
 
 def is_fake(x: Any) -> bool:

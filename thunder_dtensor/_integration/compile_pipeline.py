@@ -252,3 +252,51 @@ def install_lowering(
         transform_for_execution,
         expects=expects_function("thunder.common", "trace", "executors_list"),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The backward compiled again (thunder 0.2.6 layout; used by guards.py for cotangents placed otherwise)
+# ---------------------------------------------------------------------------------------------------------
+def current_compile_context() -> tuple[Any, Any]:
+    """The compile data and stats of the ``thunder.jit`` compilation in progress ((None, None) outside one)."""
+    from thunder.core.compile_data import _compile_data
+
+    return _compile_data.get()
+
+
+def compile_joint_trace(joint: TraceCtx, compile_data: Any, compile_stats: Any) -> tuple[TraceCtx, TraceCtx]:
+    """The forward and executable backward trace ``thunder.jit`` makes of a joint (forward + backward) trace.
+
+    The steps thunder 0.2.6's ``thunder.jit`` runs after its grad transform, in its order, under the jitted
+    function's compile data: executors claimed and waits sorted, ``transform_for_execution`` (the lowering
+    included), transformer_engine's checkpointing where it is an executor, the forward / backward split,
+    ``del_last_used`` and the function's post-optimization transforms on the backward.
+    """
+    from thunder.core.compile_data import compile_data_and_stats
+    from thunder.distributed.utils import maybe_sort_waits
+    from thunder.executors.passes import _transform_for_operator_executor_execution, del_last_used
+    from thunder.transforms.autodiff import split_into_forward_and_backward
+
+    with compile_data_and_stats(compile_data, compile_stats):
+        executors = compile_data.executors_list
+        claimed = _transform_for_operator_executor_execution(joint, executors)
+        sorted_waits, claimed = maybe_sort_waits(claimed)
+        trace = thunder.transform_for_execution(
+            claimed if sorted_waits else joint, executors_list=executors, use_del_last_used=False
+        )[-1]
+        if "transformer_engine" in {ex.name for ex in executors}:
+            from thunder.executors.transformer_engineex import _te_activation_checkpointing_transform
+
+            trace = _te_activation_checkpointing_transform(trace)
+        forward, backward = split_into_forward_and_backward(trace)
+        backward = del_last_used(backward, clear_mutable_collections=True)
+        for transform in compile_data.transforms or ():
+            backward = transform.transform_trace_post_optimization(backward, executors_list=executors)
+    return forward, backward
+
+
+def is_split_forward(trace: TraceCtx) -> bool:
+    """Whether ``trace`` is a forward trace made by thunder's forward / backward split (tagged so)."""
+    from thunder.core.trace import TraceTag
+
+    return TraceTag.AUGMENTED_FORWARD in trace.tags

@@ -585,7 +585,8 @@ def keep_named_members_in_order() -> None:
     nn.Linear(4, 6), nn.LayerNorm(6))`` starts with ``1.bias``; a program that zips them with another list
     (transformers' weight tying, an optimizer's groups) pairs the wrong tensors. The replacement yields the
     names in the module's order (and strips a ``prefix=`` as torch adds it), each read through the interpreter
-    as thunder does."""
+    as thunder does. A name the program itself has set to None (transformers' rowwise style sets
+    ``module._parameters["bias"] = None`` in the forward) is left out, as torch leaves out None members."""
     import inspect
 
     from thunder.core import interpreter, jit_ext
@@ -598,7 +599,11 @@ def keep_named_members_in_order() -> None:
 
         def members(names: list) -> Iterator:  # interpreted: each member is read as the program would
             for name in names:
-                yield name, get(name[len(prefix) + 1 :] if prefix else name)
+                try:
+                    member = get(name[len(prefix) + 1 :] if prefix else name)
+                except AttributeError:  # None (or gone) by now in the program: torch lists only present members
+                    continue
+                yield name, member
 
         record = interpreter.ProvenanceRecord(
             interpreter.PseudoInst.LOOKASIDE, inputs=[interpreter.wrap_const(named).provenance]

@@ -366,6 +366,24 @@ def make_isinstance_see_dtensor_proxies(proxy_type: type) -> None:
     )
 
 
+@installer("dtensor", "a DTensor proxy's conversions to Python values run whole in jitted code (they raise)")
+def call_proxy_conversions_whole(proxy_type: type) -> None:
+    """``bool(x)``, ``float(x)``, ... of a DTensor's proxy call the proxy's own method whole: it raises the error
+    that names the op and the placements, which needs the real types (inside the interpreter a DTensor's proxy
+    answers ``isinstance`` as the DTensor it stands for)."""
+    from thunder.core import jit_ext
+
+    for name in ("__bool__", "__float__", "__int__", "__complex__", "__index__"):
+        method = vars(proxy_type)[name]
+        patch(
+            jit_ext._general_jit_lookaside_map,
+            method,
+            jit_ext.interpreter_needs_wrap(method),
+            table=JIT_LOOKASIDES,
+            expects=expects_absent,
+        )
+
+
 def is_unpack_cotangents(bsym: BoundSymbol) -> bool:
     """Whether ``bsym`` unpacks the backward's cotangent sequence (thunder 0.2.6 naming)."""
     return bsym.sym.id == prims.PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == "cotangents"
@@ -610,3 +628,29 @@ def install_compiled_program_hook(on_compiled: Callable[[Any, Any], None]) -> No
         return None if {"computation_traces", "backward_traces"} <= fields else "a namedtuple with *_traces fields"
 
     patch(thunder, "CacheEntry", CacheEntry, expects=namedtuple_with_traces)
+
+
+@installer("dtensor", "a compiled program's backward is called through the package (cotangents placed otherwise)")
+def wrap_compiled_backwards(wrap: Callable[[Any], Callable | None]) -> None:
+    """Replace each compiled program's ``backward_fn`` by ``wrap(cache_entry)`` (kept where that is None).
+
+    Like :func:`install_compiled_program_hook`, through a subclass of thunder 0.2.6's ``CacheEntry`` whose
+    constructor makes the entry, then (while the compile data is still current) asks ``wrap`` for the backward
+    the entry keeps. thunder calls an entry's ``backward_fn(saved_for_backward, cotangents)`` from its
+    autograd function; the wrapper takes the same arguments.
+    """
+    base = thunder.CacheEntry
+
+    class CacheEntry(base):
+        __slots__ = ()
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            entry = super().__new__(cls, *args, **kwargs)
+            wrapped = wrap(entry) if entry.backward_fn is not None else None
+            return entry if wrapped is None else entry._replace(backward_fn=wrapped)
+
+    def namedtuple_with_a_backward(original: Any) -> str | None:
+        fields = set(getattr(original, "_fields", ()))
+        return None if {"backward_fn", "backward_traces"} <= fields else "a namedtuple with a backward_fn field"
+
+    patch(thunder, "CacheEntry", CacheEntry, expects=namedtuple_with_a_backward)

@@ -58,8 +58,8 @@ def fx_example_value(arg: Any) -> Any:
     return value
 
 
-def trace_on_proxies(fn: Callable, make_inputs: Callable[[], tuple[tuple, dict]]) -> None:
-    """Run ``fn`` once on proxies in a throwaway trace, as thunderfx's splitter tests an op.
+def trace_on_proxies(fn: Callable, make_inputs: Callable[[], tuple[tuple, dict]]) -> Any:
+    """Run ``fn`` once on proxies in a throwaway trace, as thunderfx's splitter tests an op; its output.
 
     ``make_inputs`` builds the proxies inside the trace.
     """
@@ -74,9 +74,9 @@ def trace_on_proxies(fn: Callable, make_inputs: Callable[[], tuple[tuple, dict]]
         cache_info["default_device"] = torch.get_default_device()
         with tracectx(TraceCtx()):
             args, kwargs = make_inputs()
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
 
-    run()
+    return run()
 
 
 @installer("dtensor", "thunderfx's splitter hands graphs with DTensors to thunder.jit whole")

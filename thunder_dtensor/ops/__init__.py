@@ -5,9 +5,31 @@ imports ``pointwise`` first). The generic fallback comes last: it wraps whatever
 family claimed.
 """
 
-from thunder_dtensor.ops import attention, dropout, embedding, factories, inplace, losses, pointwise, redistribute
+from thunder_dtensor.ops import (
+    attention,
+    distribute,
+    dropout,
+    embedding,
+    factories,
+    inplace,
+    losses,
+    pointwise,
+    redistribute,
+    scalars,
+)
 from thunder_dtensor.ops.fallback import register_fallbacks
 
 register_fallbacks()
 
-__all__ = ["attention", "dropout", "embedding", "factories", "inplace", "losses", "pointwise", "redistribute"]
+__all__ = [
+    "attention",
+    "distribute",
+    "dropout",
+    "embedding",
+    "factories",
+    "inplace",
+    "losses",
+    "pointwise",
+    "redistribute",
+    "scalars",
+]

@@ -63,6 +63,10 @@ def fallback_name(torch_fn: Callable) -> str:
 #: torch functions whose thunder symbol returns (or may return) a view of its input
 VIEW_FUNCTIONS: set[Callable] = set()
 
+#: torch functions whose output carries no gradient by definition: their prims have no grad rule (a generic one
+#: would put a kept no-op into a backward that has nothing else, which thunder's split of a joint trace rejects)
+NO_GRADIENT_FUNCTIONS: frozenset[Callable] = frozenset({torch.detach, torch.Tensor.detach})
+
 
 def fallback_prim(torch_fn: Callable) -> ti.Symbol:
     """The dtensor prim for ``torch_fn``, made on first use (one per torch function).
@@ -72,7 +76,9 @@ def fallback_prim(torch_fn: Callable) -> ti.Symbol:
     """
     prim = FALLBACK_PRIMS.get(torch_fn)
     if prim is None:
-        prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(fallback_name(torch_fn), torch_fn)
+        prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(
+            fallback_name(torch_fn), torch_fn, differentiable=torch_fn not in NO_GRADIENT_FUNCTIONS
+        )
         record = PRIMS[prim.name]
         record.shape_checked = True
         record.torch_functions.append(torch_fn)

@@ -30,12 +30,13 @@ from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.errors import DTensorOpError, first_line
+from thunder_dtensor.errors import DataDependentValueError, DTensorOpError, first_line
 from thunder_dtensor.primitive import (
     PRIMS,
     WrongShapeError,
     call_backwards_with,
     define_dtensor_prim,
+    is_runtime_number,
     propagated_fakes,
     to_torch_value,
 )
@@ -102,6 +103,8 @@ def _plain_program(name: str, source: Callable, decompose: bool, flat: list, tre
 
     def describe(x: Any) -> Any:
         d = _tensor_description(x)
+        if d is None and is_runtime_number(x):  # the program would hold its trace-time stand-in
+            raise _NotRewritable(f"it reads {x.name}, a number read from the data at run time")
         return ("tensor", d) if d is not None else describe_value(to_torch_value(x))
 
     key = call_signature((name, decompose), flat, tree, describe)  # None: an argument without an exact description
@@ -245,7 +248,9 @@ def call_or_rewrite(
             _check_traces(prim, source, args, kwargs)
             return prim(*args, **kwargs)
         except DTensorOpError as error:
-            if error.structural:  # plain tensors among DTensors, several meshes: the user's to fix
+            # plain tensors among DTensors, several meshes: the user's to fix; a result that depends on the data:
+            # no rewrite can trace it
+            if error.structural or isinstance(error, DataDependentValueError):
                 raise
             original = error
             if isinstance(error, WrongShapeError):  # DTensor's rules accept the op and get it wrong

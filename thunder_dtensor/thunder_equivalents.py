@@ -62,9 +62,21 @@ def _clone(x: Any, *, memory_format: Any = None) -> Any:
     return lt.clone(x) if memory_format in (None, torch.preserve_format) else lt.contiguous(x)
 
 
-def _to_copy(x: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, **kwargs: Any) -> Any:
-    if layout not in (None, torch.strided) or kwargs.get("memory_format") not in (None, torch.preserve_format):
+def _to_copy(
+    x: Any,
+    *,
+    dtype: Any = None,
+    layout: Any = None,
+    device: Any = None,
+    pin_memory: Any = None,
+    non_blocking: bool = False,
+    memory_format: Any = None,
+) -> Any:
+    # non_blocking only matters for a device move, which is refused
+    if layout not in (None, torch.strided) or memory_format not in (None, torch.preserve_format):
         raise NoEquivalent("a layout or memory format")
+    if pin_memory:
+        raise NoEquivalent("pin_memory")
     if device is not None and torch.device(device) != ti.devices.to_torch_device(x.device):
         raise NoEquivalent("a device move")
     if dtype is None:
@@ -78,13 +90,18 @@ def _softmax(x: Any, dim: int, half_to_float: bool) -> Any:
     return lt.softmax(x, dim)
 
 
-def _scalar_tensor(value: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, **_: Any) -> Any:
+def _scalar_tensor(
+    value: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None
+) -> Any:
     if layout not in (None, torch.strided):
         raise NoEquivalent("a layout")
+    if pin_memory:
+        raise NoEquivalent("pin_memory")
     return lt.full((), value, device=device, dtype=dtype if dtype is not None else torch.get_default_dtype())
 
 
 def _embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse=False):  # noqa: ANN001, ANN202
+    # the lookup's values do not depend on padding_idx (only its gradient does: embedding_dense_backward below)
     if scale_grad_by_freq or sparse:
         raise NoEquivalent("scale_grad_by_freq or sparse")
     return lt.embedding(indices, weight, padding_idx=None if padding_idx == -1 else padding_idx)
@@ -95,6 +112,7 @@ def _embedding_dense_backward(grad: Any, indices: Any, num_weights: int, padding
 
 
 def _expand(x: Any, size: Any, *, implicit: bool = False) -> Any:
+    # ``implicit`` only records that broadcasting asked for the expansion: the result is the same
     return lt.expand(x, size)
 
 
@@ -103,15 +121,20 @@ def _split(x: Any, size: Any, dim: int = 0) -> Any:
 
 
 def _pointwise(fn: Callable) -> Callable:
-    """Tensor-tensor and tensor-number ATen overloads (``add.Tensor``, ``add.Scalar``): thunder's one symbol."""
+    """Tensor-tensor and tensor-number ATen overloads (``add.Tensor``, ``add.Scalar``): thunder's one symbol.
 
-    def call(a: Any, b: Any, *, alpha: Any = None) -> Any:
+    ``alpha`` is keyword-only in ``add.Tensor`` and positional in ``add.Scalar``: both are taken.
+    """
+
+    def call(a: Any, b: Any, alpha: Any = None) -> Any:
         return fn(a, b) if alpha is None or alpha == 1 else fn(a, b, alpha=alpha)
 
     return call
 
 
-#: ATen overload -> the thunder call of the same meaning (args and kwargs as the ATen op takes them)
+#: ATen overload -> the thunder call of the same meaning (args and kwargs as the ATen op takes them). Every argument
+#: of the overload's schema is passed on, or the call raises (``NoEquivalent``) and the ATen op is emitted:
+#: ``tests/unit/test_thunder_equivalents.py`` calls each entry with every argument varied and compares with ATen.
 THUNDER_EQUIVALENTS: dict[Any, Callable] = {
     # views and layout
     aten.alias.default: ti.prims.shallow_copy,

@@ -47,7 +47,7 @@ def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
     if q_local.numel() == 0:
         # An empty shard (more ranks than batch*heads): the fused kernels' backward leaves the mask's
         # gradient undefined there; the definition gives the zero gradient every other rank agrees on.
-        out = _attention_by_definition(q_local, k_local, v_local, mask, is_causal, scale)
+        out = _attention_by_definition(q_local, k_local, v_local, mask, is_causal, scale, enable_gqa)
     else:
         out = F.scaled_dot_product_attention(
             q_local,
@@ -60,15 +60,21 @@ def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
             enable_gqa=enable_gqa,
         )
     spec = ti.dtensor_spec(q)
-    # q, k and v broadcast over their batch dims (a 3-D q against 4-D k and v, say)
-    batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    # q, k and v broadcast over their batch dims (a 3-D q against 4-D k and v, say); with grouped-query attention
+    # the heads are q's
+    if enable_gqa:
+        batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])) + (q.shape[-3],)
+    else:
+        batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     shape = batch + (q.shape[-2], v.shape[-1])
     # the global stride describes the kernel's local layout (the CPU fused kernel's output is not contiguous)
     stride = contiguous_stride(shape) if out.is_contiguous() else dense_stride_like(shape, tuple(out.stride()))
     return ti.DTensor.from_local(out, spec.mesh, spec.placements, run_check=False, shape=shape, stride=stride)
 
 
-def _attention_by_definition(q, k, v, mask, is_causal, scale):
+def _attention_by_definition(q, k, v, mask, is_causal, scale, enable_gqa):
+    if enable_gqa and 0 < k.shape[-3] < q.shape[-3]:  # each group of q's heads attends to one head of k and v
+        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if is_causal:
         scores = scores.masked_fill(
@@ -101,7 +107,9 @@ def attends_on_local_shards(q: Any, k: Any, v: Any) -> bool:
     """Whether q, k and v (DTensors or their proxies) share placements that shard only batch or head dims.
 
     There (the layout tensor-parallel attention has) the output keeps those placements, as in eager; any other
-    layout is gathered first, and eager's derived placements may differ (see the module docstring).
+    layout is gathered first, and eager's derived placements may differ (see the module docstring). With fewer
+    heads in k and v than in q (grouped-query attention, ``enable_gqa=True``), sharded heads attend locally only
+    where each rank's q heads are exactly the group of its k / v heads.
     """
     tensors = (q, k, v)
     return (
@@ -109,7 +117,25 @@ def attends_on_local_shards(q: Any, k: Any, v: Any) -> bool:
         and q.placements == k.placements == v.placements
         and q.ndim == k.ndim == v.ndim
         and _shards_only_batch_or_heads(q)
+        and all(_head_groups_stay_local(q, t) for t in (k, v))
     )
+
+
+def _head_groups_stay_local(q: Any, kv: Any) -> bool:
+    """With ``kv`` having fewer heads than ``q`` (both sharded alike), whether every rank holds q's heads of exactly
+    its own k / v heads: one mesh dim shards the heads, and its chunk of q's heads is the group-size multiple of
+    its chunk of k's (torch's Shard chunks ``ceil(size / ranks)`` rows per rank)."""
+    if q.ndim < 3 or q.shape[-3] == kv.shape[-3]:
+        return True
+    head_dim = q.ndim - 3
+    sharding = [i for i, p in enumerate(q.placements) if isinstance(p, ti.Shard) and p.dim == head_dim]
+    if not sharding:
+        return True
+    if len(sharding) > 1 or q.shape[-3] % kv.shape[-3] != 0:
+        return False
+    ranks = q.device_mesh.size(sharding[0])
+    group = q.shape[-3] // kv.shape[-3]
+    return -(-q.shape[-3] // ranks) == group * -(-kv.shape[-3] // ranks)
 
 
 def _mask_is_local(mask: Any, q: DTensorProxy) -> bool:

@@ -2,7 +2,8 @@
 
 The mask is drawn once, in the forward, by DTensor's own random-op machinery (every shard gets its slice
 of one global random tensor, reproducible under ``torch.manual_seed``), and the backward reuses it; a
-recomputing gradient would draw a different mask.
+recomputing gradient would draw a different mask. ``inplace=True`` writes this value into the input
+(``ops/inplace.py``, which registers ``F.dropout``'s dispatch for both).
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ def _native_dropout_vjp(g, out, a, p):
 
 
 @define_dtensor_symbol
-def dtensor_dropout(a, p=0.5, training=True, inplace=False):
+def dtensor_dropout(input, p=0.5, training=True, inplace=False):
+    # F.dropout(x, inplace=True) is dispatched to an in-place symbol computed by this one (ops/inplace.py)
+    ti.check(not inplace, lambda: "dtensor_dropout: inplace=True goes through the in-place symbol (ops/inplace.py)")
     ti.check(0.0 <= p <= 1.0, lambda: f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
-        return a
+        return input
     if p == 1.0:
-        return dtensor_mul_prim(a, 0.0)
-    out, _mask = dtensor_native_dropout_prim(a, p)
+        return dtensor_mul_prim(input, 0.0)
+    out, _mask = dtensor_native_dropout_prim(input, p)
     return out
 
 

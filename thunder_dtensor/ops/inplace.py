@@ -24,7 +24,8 @@ copied one. DTensors take the same path, with dtensor prims in place of thunder'
   values (``add_``, ``sub_``, ``zero_``, ``fill_``, setitem, ...) skip it.
 
 Every in-place torch function / Tensor method in thunder's tables is covered this way (plus ``fill_``,
-which thunder lacks), and so are functions with an ``inplace=`` flag (``F.relu``, ``nn.ReLU(inplace=True)``).
+which thunder lacks), and so are functions with an ``inplace=`` flag (``F.relu``, ``nn.ReLU(inplace=True)``;
+``F.dropout(x, inplace=True)`` writes the dropout family's own value, whose gradient reuses its mask).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.executor import dtensor_ex
+from thunder_dtensor.ops.dropout import dtensor_dropout
 from thunder_dtensor.ops.fallback import fallback_prim
 from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand, refusing_a_number_into_a_partial_sum
 from thunder_dtensor.primitive import (
@@ -259,13 +261,18 @@ def inplace_symbol(name: str, torch_fn: Callable, meta: Callable | None = None) 
     if symbol is not None:
         return symbol
     value_prim = VALUE_PRIMS[name] = define_dtensor_prim(name, _on_a_copy(torch_fn), meta=meta)
-    snapshot = name not in _GRADIENT_READS_NO_VALUES
+    return _define_inplace_symbol(name, value_prim, snapshot=name not in _GRADIENT_READS_NO_VALUES)
+
+
+def _define_inplace_symbol(name: str, value_of: Callable, *, snapshot: bool) -> ti.Symbol:
+    """The in-place symbol ``name``: the destination's new value ``value_of(a, *args, **kwargs)`` (dtensor symbols
+    or prims), then the copy into it; ``snapshot``: the value's gradient reads the destination's old value."""
 
     def inplace(a, *args, **kwargs):
         grad_enabled = ti.grad_enabled_while_tracing()
         _check_destination(name, a, args, kwargs, grad_enabled)
         source = dtensor_snapshot_prim(a) if snapshot and grad_enabled and isinstance(a, DTensorProxy) else a
-        return dtensor_copy__prim(value_prim(source, *args, **kwargs), a, grad_enabled=grad_enabled)
+        return dtensor_copy__prim(value_of(source, *args, **kwargs), a, grad_enabled=grad_enabled)
 
     inplace.__name__ = f"dtensor_{name}"
     symbol = INPLACE_SYMBOLS[name] = ti.inplace_torchsymbol(inplace.__name__)(inplace)
@@ -311,14 +318,16 @@ class _MaybeInPlace:
     """A function with an ``inplace`` flag (``F.relu(x, inplace=True)``): the in-place symbol when it is set.
 
     It is not a symbol itself, so that the in-place symbol is the one in the trace (thunder's alias pass
-    looks for its tag there).
+    looks for its tag there). The in-place symbol runs eager's in-place op on a copy, unless one is given.
     """
 
-    def __init__(self, torch_fn: Callable, index: int, out_of_place: Callable) -> None:
+    def __init__(
+        self, torch_fn: Callable, index: int, out_of_place: Callable, in_place: Callable | None = None
+    ) -> None:
         self.torch_fn = torch_fn
         self.index = index
         self.out_of_place = out_of_place
-        self.in_place = inplace_symbol(f"functional_{torch_fn.__name__}_", torch_fn)
+        self.in_place = in_place or inplace_symbol(f"functional_{torch_fn.__name__}_", torch_fn)
         self.name = f"dtensor_{torch_fn.__name__}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -403,7 +412,24 @@ def register_inplace_ops() -> int:
 
         _register(torch_fn, single, _MaybeInPlace(torch_fn, index, out_of_place))
         count += 1
-    return count
+    return count + _register_inplace_dropout()
+
+
+def _inplace_dropout_value(a: Any, p: float = 0.5, training: bool = True, inplace: bool = True) -> Any:
+    return dtensor_dropout(a, p, training)
+
+
+def _register_inplace_dropout() -> int:
+    """``F.dropout(x, inplace=True)`` (``nn.Dropout(inplace=True)``): the new value is the dropout family's own
+    (its gradient reuses the drawn mask; eager's in-place op on a copy would get the generic gradient, which
+    draws another mask), written into ``x``."""
+    existing = DISPATCH_TABLE.get(torch.nn.functional.dropout)
+    if existing is None or isinstance(existing.dtensor_symbol, _MaybeInPlace):
+        return 0
+    in_place = _define_inplace_symbol("functional_dropout_", _inplace_dropout_value, snapshot=False)
+    maybe = _MaybeInPlace(torch.nn.functional.dropout, 3, existing.dtensor_symbol, in_place=in_place)
+    _register(torch.nn.functional.dropout, existing.single_device_symbol, maybe)
+    return 1
 
 
 ti.keep_dtensors_in_alias_updates(

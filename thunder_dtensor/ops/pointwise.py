@@ -17,8 +17,14 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor, register_method_for_dtensor
-from thunder_dtensor.errors import DTensorOpError
-from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_vjp, propagate_on_fake_dtensors
+from thunder_dtensor.errors import DTensorOpError, first_line
+from thunder_dtensor.primitive import (
+    define_dtensor_prim,
+    define_dtensor_symbol,
+    define_vjp,
+    is_runtime_number,
+    propagate_on_fake_dtensors,
+)
 from thunder_dtensor.proxy import DTensorProxy
 
 import torch
@@ -261,43 +267,121 @@ _unary_vjp(dtensor_silu_prim, lambda g, out, a: dtensor_silu_backward_prim(g, a)
 # ---------------------------------------------------------------------------------------------------------
 # Torch-level symbols and their registration in the dispatch table
 # ---------------------------------------------------------------------------------------------------------
-@define_dtensor_symbol
-def dtensor_add(a, b, *, alpha=1):
-    return dtensor_add_prim(a, b if alpha == 1 else dtensor_mul(b, alpha))
+def _refuse_out(name: str, args: tuple, out: Any) -> None:
+    """``out=`` on a DTensor op: refused at trace time (thunder takes none for plain tensors either)."""
+    if out is not None:
+        raise DTensorOpError(
+            f"dtensor_{name}",
+            args,
+            {"out": out},
+            f"torch.{name}'s out= argument is not supported inside a thunder program (the result would not be "
+            "written into it)",
+            hint=f"assign the result instead: y = torch.{name}(...)",
+        )
+
+
+def _as_positional(name: str, params: tuple[str, ...], args: tuple, kwargs: dict) -> tuple:
+    """``args`` and ``kwargs`` of a call of ``torch.<name>(*params, *, out=None)`` as positional arguments.
+
+    torch's own parameter names are taken as keywords (``torch.pow(x, exponent=2)``); ``out=`` is refused.
+    """
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out", None)
+    unknown = [k for k in kwargs if k not in params[len(args) :]]
+    if len(args) > len(params) or unknown:
+        raise TypeError(f"{name}() got unexpected arguments: {len(args)} positional, keywords {unknown}")
+    missing = [p for p in params[len(args) :] if p not in kwargs]
+    if missing:
+        raise TypeError(f"{name}() missing arguments: {missing}")
+    args = tuple(args) + tuple(kwargs[p] for p in params[len(args) :])
+    _refuse_out(name, args, out)
+    return args
+
+
+def _tensor_stand_in(x: Any) -> Any:
+    """A tiny real tensor of ``x``'s dtype and dimensionality class (0-dim or not), or ``x`` itself."""
+    if isinstance(x, ti.TensorProxy):
+        return torch.empty((0,) if x.ndim else (), dtype=ti.dtypes.to_torch_dtype(x.dtype))
+    return ti.pyval(x) if isinstance(x, ti.NumberProxy) else x
+
+
+def _scaled_by_alpha(name: str, a: Any, b: Any, alpha: Any) -> Any:
+    """``alpha * b`` for ``torch.add`` / ``torch.sub``; an ``alpha`` torch refuses for these dtypes is refused here.
+
+    torch rejects a floating ``alpha`` for integral inputs and a bool one for non-bool results: it is asked, on
+    empty tensors of the operands' dtypes.
+    """
+    if is_runtime_number(alpha):  # its value is known at run time only: torch checks it there
+        return dtensor_mul(b, alpha)
+    value = ti.pyval(alpha) if isinstance(alpha, ti.NumberProxy) else alpha
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1:
+        return b
+    try:
+        getattr(torch, name)(_tensor_stand_in(a), _tensor_stand_in(b), alpha=value)
+    except (RuntimeError, TypeError) as error:
+        raise DTensorOpError(
+            f"dtensor_{name}",
+            (a, b),
+            {"alpha": value},
+            f"torch.{name} refuses alpha={value!r} for these operands: {first_line(error)}",
+            hint="pass an alpha of the operands' kind (an integer for integral tensors, a bool for bool ones)",
+        ) from error
+    return dtensor_mul(b, alpha)
 
 
 @define_dtensor_symbol
-def dtensor_sub(a, b, *, alpha=1):
-    return dtensor_sub_prim(a, b if alpha == 1 else dtensor_mul(b, alpha))
+def dtensor_add(input, other, *, alpha=1, out=None):
+    _refuse_out("add", (input, other), out)
+    return dtensor_add_prim(input, _scaled_by_alpha("add", input, other, alpha))
 
 
 @define_dtensor_symbol
-def dtensor_mul(a, b):
-    return dtensor_mul_prim(a, b)
+def dtensor_sub(input, other, *, alpha=1, out=None):
+    _refuse_out("sub", (input, other), out)
+    return dtensor_sub_prim(input, _scaled_by_alpha("sub", input, other, alpha))
 
 
 @define_dtensor_symbol
-def dtensor_true_divide(a, b):
-    return dtensor_div_prim(a, b)
+def dtensor_mul(input, other, *, out=None):
+    _refuse_out("mul", (input, other), out)
+    return dtensor_mul_prim(input, other)
 
 
 @define_dtensor_symbol
-def dtensor_div(a, b, *, rounding_mode=None):
+def dtensor_true_divide(input, other, *, out=None):
+    _refuse_out("true_divide", (input, other), out)
+    return dtensor_div_prim(input, other)
+
+
+@define_dtensor_symbol
+def dtensor_div(input, other, *, rounding_mode=None, out=None):
+    _refuse_out("div", (input, other), out)
     if rounding_mode is not None:  # floor / trunc division: eager DTensor's own rules
         from thunder_dtensor.ops.fallback import fallback_prim
 
-        return fallback_prim(torch.div)(a, b, rounding_mode=rounding_mode)
-    return dtensor_div_prim(a, b)
+        return fallback_prim(torch.div)(input, other, rounding_mode=rounding_mode)
+    return dtensor_div_prim(input, other)
 
 
-def _symbol_for(prim: ti.Symbol, name: str) -> ti.Symbol:
-    """The torch-level symbol of one elementwise prim: DTensor itself promotes and broadcasts the operands."""
+def _symbol_for(prim: ti.Symbol, name: str, params: tuple[str, ...] = ("input", "other")) -> ti.Symbol:
+    """The torch-level symbol of one elementwise prim: DTensor itself promotes and broadcasts the operands.
 
-    def call(*args):
-        return prim(*args)
+    It takes torch's parameter names (``params``) as keywords too, and refuses ``out=``.
+    """
+
+    def call(*args, **kwargs):
+        return prim(*_as_positional(name, params, args, kwargs))
 
     call.__name__ = f"dtensor_{name}"
     return define_dtensor_symbol(call)
+
+
+def _where_method(self, condition, other):
+    """``x.where(condition, y)`` is ``torch.where(condition, x, y)``."""
+    return dtensor_where_prim(condition, self, other)
+
+
+_where_method.__name__ = "dtensor_Tensor_where"
 
 
 # clamp is one prim, not maximum/minimum: at ties torch gives the whole gradient to the input, none to a bound
@@ -334,9 +418,10 @@ dtensor_logical_or_prim = define_dtensor_prim("logical_or", torch.logical_or, di
 
 
 @define_dtensor_symbol
-def dtensor_clamp(a, min=None, max=None):
+def dtensor_clamp(input, min=None, max=None, *, out=None):
     ti.check(min is not None or max is not None, lambda: "torch.clamp on a DTensor: give min, max or both")
-    return dtensor_clamp_prim(a, min, max)
+    _refuse_out("clamp", (input, min, max), out)
+    return dtensor_clamp_prim(input, min, max)
 
 
 # gelu is one prim, and its gradient eager's fused ``gelu_backward``: DTensor's rules for the op itself decide
@@ -356,9 +441,9 @@ def _gelu_vjp(g, out, a, approximate="none"):
 
 
 @define_dtensor_symbol
-def dtensor_gelu(a, approximate="none"):
+def dtensor_gelu(input, approximate="none"):
     ti.check(approximate in ("none", "tanh"), lambda: f"gelu: unknown approximate={approximate!r}")
-    return dtensor_gelu_prim(a, approximate)
+    return dtensor_gelu_prim(input, approximate)
 
 
 @define_dtensor_symbol
@@ -367,17 +452,64 @@ def dtensor_to_dtype(a, dtype):
     return a if a.dtype == dtype else dtensor_convert_element_type_prim(a, dtype)
 
 
+def _is_dtype(x: Any) -> bool:
+    return isinstance(x, (torch.dtype, ti.dtypes.dtype))
+
+
+def _is_device(x: Any) -> bool:
+    return isinstance(x, (str, int, torch.device, ti.devices.Device))
+
+
+def _same_device(a: Any, device: Any) -> bool:
+    """Whether ``device`` names ``a``'s device (an index left out names the current one, as in torch)."""
+    have = ti.devices.to_torch_device(a.device)
+    want = ti.devices.to_torch_device(device) if isinstance(device, ti.devices.Device) else torch.device(device)
+    return want.type == have.type and (want.index is None or want.index == have.index)
+
+
 def _to(a, *args, **kwargs):
-    """``Tensor.to`` on a DTensor: dtype conversion (device moves are not supported on DTensors here)."""
-    dtype = kwargs.get("dtype")
-    for x in args:
-        if isinstance(x, (torch.dtype, ti.dtypes.dtype)):
-            dtype = x
-        elif isinstance(x, ti.TensorProxy):
-            dtype = x.dtype
-        else:
-            ti.check(False, lambda x=x: f"Tensor.to on a DTensor: only dtype conversion is supported, got {x!r}")
-    return a if dtype is None else dtensor_to_dtype(a, dtype)
+    """``Tensor.to`` on a DTensor, in each of its forms: ``to(dtype, non_blocking, copy)``, ``to(device, dtype,
+    non_blocking, copy)``, ``to(other, non_blocking, copy)``, each with ``memory_format=``.
+
+    A dtype conversion is the conversion prim (``non_blocking`` changes nothing without a device move); with
+    ``copy=True`` or a memory format it is eager's ``Tensor.to`` on the DTensor (a fresh tensor where eager makes
+    one). A device move is refused: a DTensor's device is its mesh's.
+    """
+    args, kwargs = list(args), dict(kwargs)
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    if args and isinstance(args[0], ti.TensorProxy):
+        other = args.pop(0)
+        device, dtype = other.device, other.dtype
+    elif args and _is_dtype(args[0]):
+        dtype = args.pop(0)
+    elif args and (args[0] is None or _is_device(args[0])):
+        device = args.pop(0)
+        if args and (args[0] is None or _is_dtype(args[0])):
+            dtype = args.pop(0)
+    if len(args) > 2 or any(not isinstance(x, bool) for x in args):
+        raise TypeError(f"Tensor.to() got unexpected positional arguments {args}")
+    flags = {**dict(zip(("non_blocking", "copy"), args)), **kwargs}
+    unknown = set(flags) - {"non_blocking", "copy", "memory_format"}
+    if unknown:
+        raise TypeError(f"Tensor.to() got unexpected keyword arguments {sorted(unknown)}")
+    if device is not None and not _same_device(a, device):
+        raise DTensorOpError(
+            "dtensor_to",
+            (a,),
+            {"device": device},
+            f"a device move ({a.device} -> {device}) of a DTensor, whose device is its mesh's",
+            hint="distribute the tensor on a mesh of that device (distribute_tensor(x.full_tensor(), mesh, "
+            "placements)) outside the thunder program",
+        )
+    copy, memory_format = bool(flags.get("copy", False)), flags.get("memory_format")
+    if not copy and memory_format in (None, torch.preserve_format):
+        return a if dtype is None else dtensor_to_dtype(a, dtype)
+    # a copy, or a layout: eager's Tensor.to (aten._to_copy) run by DTensor
+    from thunder_dtensor.ops.fallback import FallbackSymbol
+
+    dtype = ti.dtypes.to_torch_dtype(ti.dtypes.to_dtype(dtype if dtype is not None else a.dtype))
+    options = {"copy": copy} | ({} if memory_format is None else {"memory_format": memory_format})
+    return FallbackSymbol(torch.Tensor.to)(a, dtype, **options)
 
 
 dtensor_to = define_dtensor_symbol(_to)
@@ -390,10 +522,10 @@ def _register() -> None:
         torch.mul: (ltorch.mul, dtensor_mul),
         torch.true_divide: (ltorch.true_divide, dtensor_true_divide),
         torch.div: (ltorch.div, dtensor_div),
-        torch.pow: (ltorch.pow, _symbol_for(dtensor_pow_prim, "pow")),
+        torch.pow: (ltorch.pow, _symbol_for(dtensor_pow_prim, "pow", ("input", "exponent"))),
         torch.maximum: (ltorch.maximum, _symbol_for(dtensor_maximum_prim, "maximum")),
         torch.minimum: (ltorch.minimum, _symbol_for(dtensor_minimum_prim, "minimum")),
-        torch.where: (ltorch.where, _symbol_for(dtensor_where_prim, "where")),
+        torch.where: (ltorch.where, _symbol_for(dtensor_where_prim, "where", ("condition", "input", "other"))),
         torch.clamp: (ltorch.clamp, dtensor_clamp),
     }
     for name, prim in {
@@ -422,14 +554,14 @@ def _register() -> None:
         "sign": dtensor_sign_prim,
         "relu": dtensor_relu_prim,
     }
-    unary = {name: _symbol_for(prim, name) for name, prim in unary_prims.items()}
+    unary = {name: _symbol_for(prim, name, ("input",)) for name, prim in unary_prims.items()}
     for name, symbol in unary.items():
         binary[getattr(torch, name)] = (getattr(ltorch, name), symbol)
 
     for torch_fn, (single, dtensor_symbol) in binary.items():
         register_function_for_dtensor(torch_fn, single, dtensor_symbol, is_method=True)
 
-    silu = _symbol_for(dtensor_silu_prim, "silu")
+    silu = _symbol_for(dtensor_silu_prim, "silu", ("input",))
     register_function_for_dtensor(torch.nn.functional.silu, ltorch.silu, silu)
     register_function_for_dtensor(torch.nn.functional.gelu, ltorch.gelu, dtensor_gelu)
     # F.relu / F.sigmoid / F.tanh are the same ops as their torch-namespace twins
@@ -441,18 +573,25 @@ def _register() -> None:
     register_method_for_dtensor("half", _method_cast(torch.float16, "half"))
     register_method_for_dtensor("bfloat16", _method_cast(torch.bfloat16, "bfloat16"))
     register_method_for_dtensor("type_as", define_dtensor_symbol(_type_as))
+    # x.where(condition, y) is torch.where(condition, x, y): not the function's argument order
+    register_method_for_dtensor("where", define_dtensor_symbol(_where_method))
 
 
 def _method_cast(dtype: torch.dtype, name: str) -> ti.Symbol:
-    def cast(a):
-        return dtensor_to_dtype(a, dtype)
+    """``x.float()`` & co.: a dtype conversion; with a ``memory_format``, ``x.to(dtype, memory_format=...)``."""
+
+    def cast(a, memory_format=None):
+        if memory_format in (None, torch.preserve_format):
+            return dtensor_to_dtype(a, dtype)
+        return _to(a, dtype, memory_format=memory_format)
 
     cast.__name__ = f"dtensor_{name}"
     return define_dtensor_symbol(cast)
 
 
 def _type_as(a, other):
-    return dtensor_to_dtype(a, other.dtype)
+    """``x.type_as(y)``: ``y``'s dtype (and device type: a move is refused, as in ``Tensor.to``)."""
+    return _to(a, other)
 
 
 _register()

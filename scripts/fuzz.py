@@ -5,10 +5,13 @@ Run under torchrun (every rank runs every program; rank 0 prints)::
     torchrun --nproc-per-node 2 --local-ranks-filter 0 scripts/fuzz.py --seeds 0:200
     torchrun --nproc-per-node 4 --local-ranks-filter 0 scripts/fuzz.py --count 50 --start 1000 --mesh 2d
 
-Prints one line per failing program, followed by its standalone reproducer (``--no-repro``: the line only;
-``--repro-dir``: also written to files), then the summary: how many programs ran, passed, were rejected by
-eager DTensor (and what thunder did), failed, by failure kind, and each distinct failure signature with its
-smallest program. Before the summary, each signature's smallest program is made smaller (``REDUCED`` lines and
+Each program runs as plain torch, eager DTensor and thunder.jit with the lowering on and off (and thunderfx, for
+programs that read values into Python, and ``--thunderfx-share`` of the others), each compiled function called on
+two data sets. Prints one line per failing program, followed by its standalone reproducer (``--no-repro``: the
+line only; ``--repro-dir``: also written to files), then the summary: how many programs ran, passed, were rejected
+by eager DTensor (and what thunder did), ran under thunderfx, had a read of data refused by thunder.jit as plain
+thunder refuses it, failed, by failure kind, and each distinct failure signature with its smallest program.
+Before the summary, each signature's smallest program is made smaller (``REDUCED`` lines and
 reproducers: the shortest failing prefix, unneeded steps dropped, inputs made Replicate; ``--no-minimize`` skips
 it; a few seconds per signature). Exits non-zero if any program failed for a bug of this package (failures
 whose bug is upstream, in thunder.jit itself or in eager DTensor, are reported, not counted).
@@ -37,6 +40,13 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--time-limit-s", type=float, default=None, help="start no program after this many seconds")
     parser.add_argument("--mesh", choices=("1d", "2d", "both"), default="both", help="both: odd seeds 2-D if ws >= 4")
     parser.add_argument("--stop-on-failure", action="store_true", help="stop after the first failing program")
+    parser.add_argument(
+        "--thunderfx-share",
+        type=float,
+        default=0.0,
+        help="the share of programs reading no values into Python that also run under thunderfx (those that read "
+        "values always do); about two programs' time each",
+    )
     parser.add_argument("--no-repro", action="store_true", help="print the failing programs' lines only")
     parser.add_argument("--repro-dir", type=pathlib.Path, help="also write each reproducer to a file here")
     parser.add_argument(
@@ -92,6 +102,7 @@ def main() -> int:
         stop_on_failure=args.stop_on_failure,
         on_result=report,
         minimize_failures=not args.no_minimize,
+        thunderfx_share=args.thunderfx_share,
     )
     if rank0:
         for n, (signature, result) in enumerate(summary.minimized.items()):

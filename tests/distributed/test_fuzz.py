@@ -1,12 +1,24 @@
 """Differential fuzzing: a fixed budget of random DTensor programs at world sizes 2 and 4.
 
 Each seed's program (``thunder_dtensor/testing/fuzz.py``) runs as plain torch, eager DTensor and under
-``thunder.jit`` with the lowering on and off; any difference fails the test with the smallest reproducer of
-each distinct failure. ``make fuzz`` (``scripts/fuzz.py``) runs many more seeds.
+``thunder.jit`` with the lowering on and off (and thunderfx, for programs that read values into Python), each
+compiled function called on two data sets; any difference fails the test with the smallest reproducer of each
+distinct failure. ``make fuzz`` (``scripts/fuzz.py``) runs many more seeds.
 """
 
+import thunder_dtensor.testing.fuzz as fuzz_module
 from thunder_dtensor.testing import mesh_1d, world_size
-from thunder_dtensor.testing.fuzz import RanksDisagree, _execute, fuzz
+from thunder_dtensor.testing.fuzz import (
+    InputSpec,
+    Program,
+    RanksDisagree,
+    Step,
+    _execute,
+    fuzz,
+    generate_program,
+    mesh_shape_for,
+    run_program,
+)
 
 import pytest
 import torch
@@ -15,8 +27,30 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 #: seeds per world size (the 4-rank run has 2-D meshes too): about 15 s at 2 ranks and 9 s at 4 on two otherwise
 #: idle CPU cores, the suite's 15-minute budget's share; `make fuzz` runs 300 per world size, and each stop runs
-#: several hundred more (docs/architecture.md, "Fuzzing")
-SEEDS = {2: range(0, 15), 4: range(0, 6)}
+#: several hundred more (docs/architecture.md, "Fuzzing"). Chosen so that every kind in REQUIRED_KINDS is drawn
+#: (test_the_budget_draws_each_kind_of_step) with few thunderfx compiles (about two programs' time each).
+SEEDS = {2: range(0, 16), 4: [*range(0, 6), 9]}
+
+#: step kinds the budget must run, each in some program of SEEDS at either world size: values read from the data
+#: (``.item()``, a number into a later op, a comparison into ``torch.where``, Python ``if`` on a tensor) and ops
+#: with the keywords of the dedicated rules
+REQUIRED_KINDS: tuple[frozenset[str], ...] = tuple(
+    map(
+        frozenset,
+        (
+            {"item"},
+            {"number-op"},
+            {"where"},
+            {"if"},
+            {"embedding"},
+            {"cross_entropy", "nll_loss"},
+            {"dropout"},
+            {"softmax-dtype", "sum-dtype"},
+        ),
+    )
+)
+#: keywords the budget's programs must pass (in some program's source)
+REQUIRED_KEYWORDS = ("padding_idx=", "ignore_index=", "reduction=")
 
 
 #: open bugs this budget finds, by (world size, seed) -> a piece of the failure's text. Strict: each must still
@@ -50,6 +84,57 @@ def test_fuzzed_programs_match_torch_and_eager():
         shown.add(smallest.program.seed)
         lines += ["", smallest.headline(), smallest.reproducer()]
     pytest.fail("\n".join(lines), pytrace=False)
+
+
+@pytest.mark.world_size(2)
+def test_the_budget_draws_each_kind_of_step():
+    """The budget keeps what the fuzzer reads from the data and the keywords it passes: a generator change that
+    draws other programs for these seeds must choose seeds that still draw them (drawing costs no run)."""
+    programs = [generate_program(seed, ws, mesh_shape_for(seed, ws)) for ws, seeds in SEEDS.items() for seed in seeds]
+    kinds = {kind for program in programs for kind in program.kinds}
+    missing = [sorted(group) for group in REQUIRED_KINDS if not group & kinds]
+    assert not missing, f"no program of the budget draws a step of kind {missing}: choose other SEEDS"
+    text = "\n".join(program.source() for program in programs)
+    assert all(keyword in text for keyword in REQUIRED_KEYWORDS), [k for k in REQUIRED_KEYWORDS if k not in text]
+    assert any("thunderfx" in program.modes for program in programs)
+
+
+def _item_program() -> Program:
+    """``y = x * x.sum().item()``: a number read from the data, taken by a later op (on a replicated input: eager
+    DTensor's ``item()`` of a Partial sum is the rank's part, and the frozen function below is eager)."""
+    steps = (
+        Step("item", "s1 = y.sum().item()", "s1 = y.sum().item()", (4, 4), defines="s1"),
+        Step("number-op", "y = y * s1", "y = y * s1", (4, 4)),
+    )
+    return Program(0, 2, (2,), "float32", (InputSpec("x", (4, 4), ("R",), True, 7),), steps, 11)
+
+
+@pytest.mark.world_size(2)
+def test_a_value_fixed_at_the_first_call_fails_the_second_call(monkeypatch):
+    """Each compiled function is called on two data sets of the same specs: one that keeps the first call's
+    values (what a number frozen into the trace does) matches on the first call and fails on the second."""
+
+    def compile_frozen(mode, fn):
+        first = []
+
+        def frozen(*args):
+            out, numbers = fn(*args)
+            if not first:
+                first.append((out.detach(), numbers))
+                return out, numbers
+            return first[0][0] + 0.0 * out, first[0][1]  # the first call's values, on this call's autograd graph
+
+        return frozen
+
+    monkeypatch.setattr(fuzz_module, "_READS_DATA", frozenset())  # thunder.jit's modes only: no thunderfx compile
+    program = _item_program()
+    assert program.modes == ("lowering", "no-lowering")
+    assert run_program(program).outcome == "passed"
+    monkeypatch.setattr(fuzz_module, "_compile", compile_frozen)
+    result = run_program(program)
+    assert result.outcome == "failed" and {f.mode for f in result.failures} == {"lowering", "no-lowering"}
+    assert all(f.phase.startswith("2nd data: ") for f in result.failures), result.failures
+    assert {f.phase for f in result.failures} >= {"2nd data: output", "2nd data: number s1"}
 
 
 @pytest.mark.world_size(2)

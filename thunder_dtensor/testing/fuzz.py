@@ -1,18 +1,24 @@
-"""A differential fuzzer: random Transformer-style DTensor programs, run four ways and compared.
+"""A differential fuzzer: random Transformer-style DTensor programs, run several ways and compared.
 
 Hand-written tests cover the op/placement pairs someone thought of; the bugs left are at the boundaries between
 ops (a view of a transposed value, a lowered op feeding an eager one, ``from_local`` of a value the lowering
 produced). :func:`generate_program` draws a seeded chain of 3-8 ops (linear, matmul, views, slicing, norms,
-attention, reductions, in-place ops, redistribute, to_local/from_local round trips, ...) over inputs with random
-placements (Shard on any dim, Replicate, Partial; even and uneven shards; 1-D and 2-D meshes) and random
-``requires_grad``. :func:`run_program` runs it as plain torch on the full tensors (the math), as eager DTensor
-(the placements, and whether the program is legal at all), and under ``thunder.jit`` with the lowering on and
-off, forward and backward, and classifies every difference. Each program is one function whose source is
-generated from the op chain; the same text is exec'd to run it and printed in a standalone reproducer.
+attention, reductions, in-place ops, redistribute, to_local/from_local round trips, embeddings and losses with
+their keywords, values read from the data: ``.item()`` into a later op, comparisons into ``torch.where``, Python
+``if`` on a tensor, ...) over inputs with random placements (Shard on any dim, Replicate, Partial; even and
+uneven shards; 1-D and 2-D meshes; integer ids and targets) and random ``requires_grad``. :func:`run_program`
+runs it as plain torch on the full tensors (the math), as eager DTensor (the placements, and whether the program
+is legal at all), and under ``thunder.jit`` with the lowering on and off (and under thunderfx, for programs that
+read values into Python), forward and backward, each compiled function called twice with the same specs and
+other data (a value fixed at trace time fails the second call; a retrace where plain thunder has none fails), and
+classifies every difference. Each program is one function whose source is generated from the op chain; the same
+text is exec'd to run it and printed in a standalone reproducer.
 
 Triage comes with each failure: whether eager DTensor itself differs from plain torch, whether thunder.jit alone
 (plain full tensors) fails the same program (then the bug is upstream), and, with :func:`minimize`, the shortest
-failing prefix of the chain with the steps and input placements it does not need removed.
+failing prefix of the chain with the steps and input placements it does not need removed. A read of data that
+``thunder.jit`` refuses at trace time (``if x.sum() > 0:``) is expected where plain thunder refuses the plain
+program too.
 
 Run it with ``scripts/fuzz.py`` under torchrun (``make fuzz``); every rank draws the same programs and takes the
 same path, checked after each program.
@@ -20,6 +26,7 @@ same path, checked after each program.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import math
 import random
@@ -60,12 +67,16 @@ FAILURE_KINDS: tuple[str, ...] = (
     "grad-mismatch",
     "placement-mismatch",
     "grad-placement-mismatch",
+    "retrace",
     "rank-divergence",
     "fuzzer-error",
 )
 
-#: The two thunder runs of every program: name -> ``dtensor_lowering``.
-MODES: dict[str, bool] = {"lowering": True, "no-lowering": False}
+#: The thunder runs of a program: name -> ``dtensor_lowering`` of ``thunder.jit`` (None: thunderfx, which runs only
+#: the programs with ``Program.thunderfx``: those that read values into Python, and a share of the others).
+MODES: dict[str, bool | None] = {"lowering": True, "no-lowering": False, "thunderfx": None}
+#: each compiled function is called once per data set: the same specs (shapes, placements), other values
+CALLS: tuple[int, ...] = (0, 1)
 
 # Small shapes keep a program's four runs well under a second on two CPU cores.
 _MAX_INPUT_NUMEL = 512
@@ -77,9 +88,11 @@ _TOLERANCES = {"float32": {"rtol": 1e-4, "atol": 1e-5}, "float64": {"rtol": 1e-7
 # Input construction and the cotangent, shared by the runner (exec'd) and every reproducer (printed), so the
 # reproducer builds exactly the DTensors the fuzzer ran.
 HELPERS_SOURCE = '''
-def make_input(mesh, shape, seed, placements, requires_grad, dtype=torch.float32, low=-1.0):
-    """The seeded full tensor as a DTensor. A Partial mesh dim holds (coordinate + 1) / (1 + ... + n) of it."""
-    full = make_full(shape, seed=seed, dtype=dtype, low=low)
+def make_input(mesh, shape, seed, placements, requires_grad, dtype=torch.float32, low=-1.0, int_high=0):
+    """The seeded full tensor as a DTensor. A Partial mesh dim holds (coordinate + 1) / (1 + ... + n) of it.
+
+    ``int_high``: an integer tensor (ids, targets) in [0, int_high) instead, never Partial."""
+    full = make_full(shape, seed=seed, dtype=torch.int64 if int_high else dtype, low=low, int_high=int_high or 5)
     if not any(p.is_partial() for p in placements):
         return distribute_tensor(full, mesh, placements, src_data_rank=None).requires_grad_(requires_grad)
     scale = 1.0
@@ -131,6 +144,11 @@ def _placements_source(placements: Sequence[str]) -> str:
     return "[" + ", ".join(_placement_source(p) for p in placements) + "]"
 
 
+def _second_seed(seed: int) -> int:
+    """The seed of a value's second data set (the second call of each compiled function)."""
+    return (seed * 1103515245 + 12345) % (1 << 31)
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """One program input: a seeded full tensor (``make_full``) and the placements it is distributed with."""
@@ -143,21 +161,41 @@ class InputSpec:
     seed: int
     #: the low end of the uniform values (0.5 for a divisor)
     low: float = -1.0
+    #: an integer input (ids, targets: int64 in [0, int_high)) where > 0; never Partial, never requires grad
+    int_high: int = 0
+
+    def data_seed(self, call: int) -> int:
+        """The ``make_full`` seed of the data of ``call`` (0 or 1): same spec, other values."""
+        return self.seed if call == 0 else _second_seed(self.seed)
 
     def describe(self) -> str:
         shape = ",".join(map(str, self.shape))
-        return f"{self.name}[{shape}]:{'/'.join(self.placements)}{':rg' if self.requires_grad else ''}"
+        kind = f":int<{self.int_high}" if self.int_high else ""
+        return f"{self.name}[{shape}]:{'/'.join(self.placements)}{kind}{':rg' if self.requires_grad else ''}"
 
 
 @dataclass(frozen=True)
 class Step:
-    """One op of the chain: its line in the DTensor program and in the plain-torch one (None: identity there)."""
+    """One op of the chain: its line(s) in the DTensor program and in the plain-torch one (None: identity there)."""
 
     kind: str
     line: str
     plain: str | None
     #: the running value's full shape after this step
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = ()
+    #: a Python number the step reads from the data (``s1 = y.sum().item()``): returned by the program, compared
+    defines: str = ""
+    #: the inputs the step writes into (``F.embedding(..., max_norm=...)`` renormalizes the table's rows)
+    writes: tuple[str, ...] = ()
+    #: an expression, evaluated on the plain values before the step, that must hold for the program to be drawn:
+    #: the values a comparison reads are far from its threshold, so that no rounding difference flips it
+    margin: str = ""
+
+
+#: steps that read values of the data into Python: their programs also run under thunderfx
+_READS_DATA = frozenset({"item", "if"})
+#: steps whose output may be a 0-dim value: the last step of a program
+_FINAL_KINDS = frozenset({"cross_entropy", "nll_loss"})
 
 
 @dataclass(frozen=True)
@@ -173,6 +211,8 @@ class Program:
     cotangent_seed: int
     #: set on a program :func:`minimize` made smaller: what it was reduced from
     reduced_from: str = ""
+    #: also run under thunderfx (every program that reads values into Python, and a share of the others)
+    thunderfx: bool = False
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -181,6 +221,25 @@ class Program:
     @property
     def out_shape(self) -> tuple[int, ...]:
         return self.steps[-1].shape
+
+    @property
+    def numbers(self) -> tuple[str, ...]:
+        """The Python numbers the program reads (``.item()``), returned beside ``y`` and compared as numbers."""
+        return tuple(s.defines for s in self.steps if s.defines)
+
+    @property
+    def written(self) -> tuple[int, ...]:
+        """The indices of the inputs a step writes into: their values after the call are compared too."""
+        names = {n for s in self.steps for n in s.writes}
+        return tuple(k for k, i in enumerate(self.inputs) if i.name in names)
+
+    @property
+    def reads_data(self) -> bool:
+        return any(s.kind in _READS_DATA for s in self.steps)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("lowering", "no-lowering") + (("thunderfx",) if self.thunderfx or self.reads_data else ())
 
     @property
     def differs_in_plain(self) -> bool:
@@ -193,12 +252,14 @@ class Program:
         lines = [f"def {name}({', '.join(i.name for i in self.inputs)}):", f"    y = {self.inputs[0].name}"]
         for s in self.steps:
             if not plain:
-                lines.append(f"    {s.line}")
+                text = s.line
             elif s.plain is None:
-                lines.append(f"    # {s.line}  (DTensor only: the identity on full tensors)")
+                text = "\n".join(f"# {line}" for line in s.line.splitlines()) + "  (DTensor only: the identity)"
             else:
-                lines.append(f"    {s.plain}")
-        lines.append("    return y")
+                text = s.plain
+            lines += [f"    {line}" for line in text.splitlines()]
+        numbers = self.numbers
+        lines.append(f"    return y, ({', '.join(numbers)},)" if numbers else "    return y")
         return "\n".join(lines) + "\n"
 
     def size_key(self) -> tuple[int, int, int]:
@@ -208,29 +269,45 @@ class Program:
     def describe(self) -> str:
         inputs = " ".join(i.describe() for i in self.inputs)
         reduced = f" (reduced from {self.reduced_from})" if self.reduced_from else ""
-        return f"seed={self.seed}{reduced} mesh={self.mesh_shape} {self.dtype} | {inputs} | {' > '.join(self.kinds)}"
+        fx = " +thunderfx" if "thunderfx" in self.modes else ""
+        return (
+            f"seed={self.seed}{reduced} mesh={self.mesh_shape} {self.dtype}{fx} | {inputs} | {' > '.join(self.kinds)}"
+        )
 
-    def reproducer(self, lowering: bool, found: str = "") -> str:
-        """A standalone script (run under torchrun) that builds the inputs and runs the failing jit call."""
+    def reproducer(self, mode: str = "lowering", found: str = "") -> str:
+        """A standalone script (run under torchrun) that builds the inputs and runs the failing compiled function
+        on both data sets, checking what the fuzzer checks."""
         mesh = "mesh_1d()" if len(self.mesh_shape) == 1 else f"mesh_2d({self.mesh_shape[0]})"
         specs = "\n".join(
-            f"    ({list(i.shape)}, {i.seed}, {_placements_source(i.placements)}, {i.requires_grad}, {i.low}),"
-            f"  # {i.name}"
+            f"    ({list(i.shape)}, ({i.data_seed(0)}, {i.data_seed(1)}), {_placements_source(i.placements)}, "
+            f"{i.requires_grad}, {i.low}, {i.int_high}),  # {i.name}"
             for i in self.inputs
         )
         tol = _TOLERANCES[self.dtype]
         found_lines = "".join(f"\n    {line}" for line in found.splitlines())
         plain_fn = self.source(plain=True) if self.differs_in_plain else "fn_plain = fn\n"
+        if MODES[mode] is None:
+            compiled, fx_import, how = "thunderfx(fn)", "from thunder.dynamo import thunderfx\n", "thunderfx"
+        else:
+            compiled, fx_import, how = f"thunder.jit(fn, dtensor_lowering={MODES[mode]})", "", f"mode {mode}"
+        retrace_check = (
+            ""
+            if MODES[mode] is None
+            else '\nprint("traces:", thunder.cache_misses(compiled), "(plain thunder.jit: 1 unless it retraces too)")'
+            '\nassert thunder.cache_misses(compiled) == 1, "retraced for other data of the same specs"'
+        )
         return f'''\
 """thunder_dtensor fuzz reproducer: seed {self.seed}, world size {self.world_size}, mesh {self.mesh_shape}, \
-{self.dtype}, dtensor_lowering={lowering}.{f" Reduced from {self.reduced_from}." if self.reduced_from else ""}
+{self.dtype}, {how}.{f" Reduced from {self.reduced_from}." if self.reduced_from else ""}
 
 Found:{found_lines}
 
 Run: torchrun --nproc-per-node {self.world_size} repro.py
 """
 
-{_IMPORTS_SOURCE}{HELPERS_SOURCE}
+import math
+
+{_IMPORTS_SOURCE}{fx_import}{HELPERS_SOURCE}
 
 {self.source()}
 
@@ -238,53 +315,79 @@ Run: torchrun --nproc-per-node {self.world_size} repro.py
 init_distributed()
 mesh = {mesh}
 DTYPE = torch.{self.dtype}
-SPECS = [  # full shape, make_full seed, placements, requires_grad, low
+SPECS = [  # full shape, make_full seeds (first call, second call), placements, requires_grad, low, int_high
 {specs}
 ]
+NUMBERS = {list(self.numbers)!r}  # the numbers the program reads with .item(), returned beside its output
+WRITTEN = {list(self.written)!r}  # the inputs it writes into (max_norm): compared after the call
+COTANGENT_SEEDS = ({self.cotangent_seed}, {_second_seed(self.cotangent_seed)})
+RTOL, ATOL = {tol["rtol"]}, {tol["atol"]}
 
 
-def dtensors():
-    return [make_input(mesh, shape, seed, p, rg, dtype=DTYPE, low=low) for shape, seed, p, rg, low in SPECS]
+def dtensors(call):
+    return [
+        make_input(mesh, shape, seeds[call], p, rg, dtype=DTYPE, low=low, int_high=ih)
+        for shape, seeds, p, rg, low, ih in SPECS
+    ]
 
 
-inputs = dtensors()
-out = thunder.jit(fn, dtensor_lowering={lowering})(*inputs)
+def fulls(call):
+    return [
+        make_full(shape, seed=seeds[call], dtype=torch.int64 if ih else DTYPE, low=low, int_high=ih or 5)
+        .requires_grad_(rg)
+        for shape, seeds, _, rg, low, ih in SPECS
+    ]
 
-# plain torch on the full tensors: what the values must be; eager DTensor: what the placements must be
-full_inputs = [
-    make_full(shape, seed=seed, dtype=DTYPE, low=low).requires_grad_(rg) for shape, seed, _, rg, low in SPECS
-]
-expected = fn_plain(*full_inputs)
-eager_inputs = dtensors()
-try:
-    eager = fn(*eager_inputs)
-except Exception as error:
-    eager = None
-    print("eager DTensor raises:", repr(error))
-print("output placements: thunder", out.placements, "eager", eager.placements if eager is not None else "-")
-if eager is not None:
-    print("eager DTensor matches plain torch:", torch.allclose(eager.full_tensor(), expected.detach()))
-torch.testing.assert_close(out.full_tensor(), expected.detach(), rtol={tol["rtol"]}, atol={tol["atol"]})
-assert eager is None or same_placements(out.placements, eager.placements), "output placements differ from eager"
-if expected.requires_grad:
-    cotangent = make_full(expected.shape, seed={self.cotangent_seed}, dtype=DTYPE)
-    expected.backward(cotangent)
-    out.backward(cotangent_for(out, cotangent))
+
+def split(result):
+    return result if isinstance(result, tuple) else (result, ())
+
+
+compiled = {compiled}
+for call in range(2):  # one compiled function, two calls: the same specs, other data
+    print(f"---- call {{call}} ----")
+    inputs = dtensors(call)
+    out, numbers = split(compiled(*inputs))
+    # plain torch on the full tensors: what the values must be; eager DTensor: what the placements must be
+    full_inputs = fulls(call)
+    expected, expected_numbers = split(fn_plain(*full_inputs))
+    eager_inputs = dtensors(call)
+    try:
+        eager, eager_numbers = split(fn(*eager_inputs))
+    except Exception as error:
+        eager = None
+        print("eager DTensor raises:", repr(error))
+    print("output placements: thunder", out.placements, "eager", eager.placements if eager is not None else "-")
     if eager is not None:
-        try:
-            eager.backward(cotangent_for(eager, cotangent))
-        except Exception as error:
-            eager = None
-            print("eager DTensor's backward raises:", repr(error))
-    for i, (x, full) in enumerate(zip(inputs, full_inputs)):
-        if full.grad is None:
-            assert x.grad is None, f"input {{i}}: thunder gives a gradient, torch none"
-            continue
-        assert x.grad is not None, f"input {{i}}: thunder gives no gradient"
-        torch.testing.assert_close(x.grad.full_tensor(), full.grad, rtol={tol["rtol"]}, atol={tol["atol"]})
+        print("eager DTensor matches plain torch:", torch.allclose(eager.full_tensor(), expected.detach()))
+        print("numbers: thunder", numbers, "eager", eager_numbers, "plain torch", expected_numbers)
+    torch.testing.assert_close(out.full_tensor(), expected.detach(), rtol=RTOL, atol=ATOL)
+    for name, have, want in zip(NUMBERS, numbers, expected_numbers):
+        close = math.isclose(have, want, rel_tol=RTOL, abs_tol=ATOL)
+        assert type(have) is type(want) and close, f"{{name}}: {{have!r}} vs plain torch {{want!r}}"
+    for i in WRITTEN:
+        torch.testing.assert_close(inputs[i].full_tensor(), full_inputs[i].detach(), rtol=RTOL, atol=ATOL)
+    assert eager is None or same_placements(out.placements, eager.placements), "output placements differ from eager"
+    if expected.requires_grad:
+        cotangent = make_full(expected.shape, seed=COTANGENT_SEEDS[call], dtype=expected.dtype)
+        expected.backward(cotangent)
+        out.backward(cotangent_for(out, cotangent))
         if eager is not None:
-            print(f"grad {{i}} placements: thunder", x.grad.placements, "eager", eager_inputs[i].grad.placements)
-            assert same_placements(x.grad.placements, eager_inputs[i].grad.placements), f"grad {{i}} placements"
+            try:
+                eager.backward(cotangent_for(eager, cotangent))
+            except Exception as error:
+                eager = None
+                print("eager DTensor's backward raises:", repr(error))
+        for i, (x, full) in enumerate(zip(inputs, full_inputs)):
+            if full.grad is None:
+                assert x.grad is None, f"input {{i}}: thunder gives a gradient, torch none"
+                continue
+            assert x.grad is not None, f"input {{i}}: thunder gives no gradient"
+            torch.testing.assert_close(x.grad.full_tensor(), full.grad, rtol=RTOL, atol=ATOL)
+            if eager is not None:
+                print(f"grad {{i}} placements: thunder", x.grad.placements, "eager", eager_inputs[i].grad.placements)
+                same = same_placements(x.grad.placements, eager_inputs[i].grad.placements)
+                assert same, f"grad {{i}} placements"{retrace_check}
 print("no failure reproduced")
 '''
 
@@ -293,13 +396,24 @@ print("no failure reproduced")
 # Generation
 # ---------------------------------------------------------------------------------------------------------
 
-_PLAIN_GLOBALS: dict[str, Any] = {"torch": torch, "F": F}
+
+def _apart(a: Any, b: Any, scale: Any) -> bool:
+    """Every element of ``a`` is farther from ``b`` than rounding could move it (relative to ``scale``): a
+    comparison of them gives the same answer in float32 and float64, in any summation order."""
+    a, b, scale = (torch.as_tensor(v).detach().double() for v in (a, b, scale))
+    return bool(((a - b).abs() > 1e-4 * (1.0 + scale.abs().max())).all())
 
 
-def _full(spec: InputSpec, dtype: str) -> torch.Tensor:
+_PLAIN_GLOBALS: dict[str, Any] = {"torch": torch, "F": F, "apart": _apart}
+
+
+def _full(spec: InputSpec, dtype: str, call: int = 0) -> torch.Tensor:
     from thunder_dtensor.testing import make_full
 
-    return make_full(spec.shape, seed=spec.seed, dtype=getattr(torch, dtype), low=spec.low)
+    if spec.int_high:
+        return make_full(spec.shape, seed=spec.data_seed(call), dtype=torch.int64, int_high=spec.int_high)
+    t = make_full(spec.shape, seed=spec.data_seed(call), dtype=getattr(torch, dtype), low=spec.low)
+    return t.requires_grad_(spec.requires_grad)
 
 
 def _factor_pairs(n: int) -> list[tuple[int, int]]:
@@ -310,15 +424,49 @@ def _dims(shape: Sequence[int]) -> str:
     return ", ".join(map(str, shape))
 
 
+class _Unfit(Exception):
+    """A step's margin does not hold, or a value is out of bounds: the candidate (or program) is not drawn."""
+
+
+def _exec_plain(steps: Sequence[Step], env: dict[str, Any], *, final_ok: bool = False) -> list[tuple[int, ...]]:
+    """Run ``steps``' plain lines in ``env`` (checking their margins and the values' bounds); each step's shape.
+
+    ``final_ok``: the last step may give a 0-dim value (a loss).
+    """
+    shapes = []
+    for k, st in enumerate(steps):
+        if st.margin and not eval(st.margin, _PLAIN_GLOBALS, env):
+            raise _Unfit(f"margin of {st.kind}")
+        if st.plain is not None:
+            exec(st.plain, _PLAIN_GLOBALS, env)
+        y = env["y"]
+        ndim_ok = 1 <= y.ndim <= _MAX_NDIM or (y.ndim == 0 and final_ok and k == len(steps) - 1)
+        if not ndim_ok or not 0 < y.numel() <= _MAX_NUMEL or not bool(torch.isfinite(y).all()):
+            raise _Unfit("out of bounds")
+        if st.defines and not math.isfinite(env[st.defines]):
+            raise _Unfit("a number that is not finite")
+        shapes.append(tuple(y.shape))
+    return shapes
+
+
+def _inputs_env(inputs: Iterable[InputSpec], dtype: str, call: int) -> dict[str, Any]:
+    env: dict[str, Any] = {i.name: _full(i, dtype, call) for i in inputs}
+    return env
+
+
 class _Generator:
     """Draws one program: each candidate step is run on the plain full tensors, and kept only if torch runs it.
 
     Running the candidates is what keeps every program valid for plain torch (a ``view`` of a transposed value,
-    an in-place op on a view) without modelling strides here, and it gives each step's full shape.
+    an in-place op on a view) without modelling strides here, and it gives each step's full shape. Candidates run
+    on both data sets (:data:`CALLS`), so that margins and bounds hold for the second call too.
     """
 
-    def __init__(self, rng: random.Random, seed: int, world_size: int, mesh_shape: tuple[int, ...]):
+    def __init__(
+        self, rng: random.Random, seed: int, world_size: int, mesh_shape: tuple[int, ...], thunderfx_share: float = 0.0
+    ):
         self.rng = rng
+        self.thunderfx_share = thunderfx_share
         self.seed = seed
         self.world_size = world_size
         self.mesh_shape = mesh_shape
@@ -326,22 +474,30 @@ class _Generator:
         self.grad_mode = rng.choices(["none", "all", "some"], weights=[2, 3, 5])[0]
         self.inputs: list[InputSpec] = []
         self.steps: list[Step] = []
-        self.env: dict[str, Any] = {}
+        #: the plain values, one namespace per data set
+        self.envs: list[dict[str, Any]] = []
         self.pending: list[InputSpec] = []
+        #: the Python numbers read so far (``.item()``), usable by later steps
+        self.numbers: list[str] = []
         self.counter = 0
+        self.n_ops = _MAX_OPS
+
+    @property
+    def env(self) -> dict[str, Any]:
+        return self.envs[0]
 
     # -- inputs ------------------------------------------------------------------------------------------
 
     def size(self) -> int:
         return self.rng.choice([2, 3, 4, 4, 5, 6, 6, 7, 8, 8])
 
-    def placements(self, ndim: int) -> tuple[str, ...]:
+    def placements(self, ndim: int, *, partial: bool = True) -> tuple[str, ...]:
         out = []
         for _ in self.mesh_shape:
             r = self.rng.random()
             if r < 0.45 and ndim > 0:
                 out.append(f"S{self.rng.randrange(ndim)}")
-            elif r < 0.8:
+            elif r < 0.8 or not partial:
                 out.append("R")
             else:
                 out.append("P")
@@ -350,15 +506,36 @@ class _Generator:
     def requires_grad(self) -> bool:
         return {"none": False, "all": True}.get(self.grad_mode, self.rng.random() < 0.5)
 
-    def new_input(self, prefix: str, shape: Sequence[int], low: float = -1.0) -> str:
+    def new_input(
+        self,
+        prefix: str,
+        shape: Sequence[int],
+        low: float = -1.0,
+        *,
+        placements: Sequence[str] | None = None,
+        requires_grad: bool | None = None,
+    ) -> str:
         """An extra input (weight, bias, other operand) with its own placements; kept if the step is."""
         self.counter += 1
         name = f"{prefix}{self.counter}"
-        spec = InputSpec(
-            name, tuple(shape), self.placements(len(shape)), self.requires_grad(), self.rng.randrange(1 << 30), low
-        )
+        placements = tuple(placements) if placements is not None else self.placements(len(shape))
+        requires_grad = self.requires_grad() if requires_grad is None else requires_grad
+        spec = InputSpec(name, tuple(shape), placements, requires_grad, self.rng.randrange(1 << 30), low)
         self.pending.append(spec)
         return name
+
+    def new_int_input(self, prefix: str, shape: Sequence[int], high: int) -> str:
+        """Integer ids or targets in [0, high), Replicate or Shard (never Partial), no gradient."""
+        self.counter += 1
+        name = f"{prefix}{self.counter}"
+        placements = self.placements(len(shape), partial=False)
+        spec = InputSpec(name, tuple(shape), placements, False, self.rng.randrange(1 << 30), int_high=high)
+        self.pending.append(spec)
+        return name
+
+    def new_number(self) -> str:
+        self.counter += 1
+        return f"s{self.counter}"
 
     def first_input(self) -> None:
         while True:
@@ -370,8 +547,9 @@ class _Generator:
                 break
         spec = InputSpec("x", tuple(shape), self.placements(ndim), self.requires_grad(), self.rng.randrange(1 << 30))
         self.inputs.append(spec)
-        self.env = {"x": _full(spec, self.dtype).requires_grad_(spec.requires_grad)}
-        self.env["y"] = self.env["x"]
+        self.envs = [_inputs_env([spec], self.dtype, call) for call in CALLS]
+        for env in self.envs:
+            env["y"] = env["x"]
 
     # -- the running value -------------------------------------------------------------------------------
 
@@ -394,37 +572,34 @@ class _Generator:
 
     # -- candidates --------------------------------------------------------------------------------------
 
-    def try_steps(self, steps: list[tuple[str, str, str | None]]) -> bool:
-        env = dict(self.env)
-        for spec in self.pending:
-            env[spec.name] = _full(spec, self.dtype).requires_grad_(spec.requires_grad)
-        shapes = []
+    def try_steps(self, steps: list[Step]) -> bool:
+        envs = []
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                for _, _, plain in steps:
-                    if plain is not None:
-                        exec(plain, _PLAIN_GLOBALS, env)
-                    y = env["y"]
-                    ok = 1 <= y.ndim <= _MAX_NDIM and y.numel() <= _MAX_NUMEL and y.numel() > 0
-                    if not ok or not bool(torch.isfinite(y).all()):
-                        raise ValueError("out of bounds")
-                    shapes.append(tuple(y.shape))
+                for call, env in zip(CALLS, self.envs):
+                    env = dict(env)
+                    env.update(_inputs_env(self.pending, self.dtype, call))
+                    shapes = _exec_plain(steps, env, final_ok=steps[-1].kind in _FINAL_KINDS)
+                    envs.append(env)
+                if len({tuple(e["y"].shape) for e in envs}) > 1:
+                    raise _Unfit("the data decided the shape")
         except Exception:
             self.pending.clear()
             return False
-        self.env = env
+        self.envs = envs
         self.inputs += self.pending
         self.pending.clear()
-        self.steps += [Step(k, line, plain, s) for (k, line, plain), s in zip(steps, shapes)]
+        self.steps += [replace(st, shape=s) for st, s in zip(steps, shapes)]
+        self.numbers += [st.defines for st in steps if st.defines]
         return True
 
     def build(self) -> Program | None:
         self.first_input()
-        n_ops = self.rng.randint(_MIN_OPS, _MAX_OPS)
+        self.n_ops = n_ops = self.rng.randint(_MIN_OPS, _MAX_OPS)
         builders, weights = zip(*_BUILDERS)
         for _ in range(200):
-            if len(self.steps) >= n_ops:
+            if len(self.steps) >= n_ops or self.ndim == 0:  # a 0-dim value (a loss) ends the chain
                 break
             builder = self.rng.choices(builders, weights=weights)[0]
             for _ in range(3):  # a view of a strided value, a broadcast shape: often valid on a redraw
@@ -432,10 +607,12 @@ class _Generator:
                 if candidate is None or len(self.steps) + len(candidate) > _MAX_OPS:
                     self.pending.clear()
                     break
-                if self.try_steps([(k, line, line if plain is _SAME else plain) for k, line, plain in candidate]):
+                if self.try_steps([c if isinstance(c, Step) else _step(*c) for c in candidate]):
                     break
         if len(self.steps) < _MIN_OPS:
             return None
+        cotangent_seed = self.rng.randrange(1 << 30)
+        also_thunderfx = self.rng.random() < self.thunderfx_share
         program = Program(
             self.seed,
             self.world_size,
@@ -443,7 +620,8 @@ class _Generator:
             self.dtype,
             tuple(self.inputs),
             tuple(self.steps),
-            self.rng.randrange(1 << 30),
+            cotangent_seed,
+            thunderfx=also_thunderfx,
         )
         return program if _plain_runs_well(program) else None
 
@@ -451,40 +629,54 @@ class _Generator:
 _SAME: Any = object()  # a step's plain line is its DTensor line
 
 
-def _plain_run(program: Program, dtype: str) -> tuple[torch.Tensor, list]:
-    fn_plain = _exec_function(program.source(plain=True), "fn_plain", dict(_PLAIN_GLOBALS), "<fuzz draw>")
-    inputs = [_full(i, dtype).requires_grad_(i.requires_grad) for i in program.inputs]
+def _step(kind: str, line: str, plain: Any = _SAME, **extra: Any) -> Step:
+    """A candidate step (its shape is filled in when it is kept)."""
+    return Step(kind, line, line if plain is _SAME else plain, **extra)
+
+
+def _plain_run(program: Program, dtype: str, call: int = 0) -> tuple[torch.Tensor, list, list]:
+    """The plain program, step by step (margins checked): output, numbers read, input gradients (ones cotangent)."""
+    env = _inputs_env(program.inputs, dtype, call)
+    inputs = [env[i.name] for i in program.inputs]
+    env["y"] = inputs[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = fn_plain(*inputs)
+        _exec_plain(program.steps, env, final_ok=program.steps[-1].kind in _FINAL_KINDS)
+        out = env["y"]
         if out.requires_grad:
             out.backward(torch.ones_like(out))
-    return out.detach(), [x.grad for x in inputs]
+    return out.detach(), [env[n] for n in program.numbers], [x.grad for x in inputs]
 
 
 def _plain_runs_well(program: Program) -> bool:
-    """Plain torch runs the program forward and backward, finite and well conditioned (else: draw again).
+    """Plain torch runs the program forward and backward on both data sets, finite and well conditioned (else:
+    draw again), and the margins of its comparisons hold.
 
     Well conditioned: float32 agrees with float64 ten times tighter than the judge's tolerance, so that a
     mismatch in the judge is not rounding amplified (a norm over one element, a difference of near-equal sums).
     """
     try:
-        out, grads = _plain_run(program, program.dtype)
-        if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
-            return False
-        if program.dtype == "float32":
-            out64, grads64 = _plain_run(program, "float64")
-            tight = {"rtol": 1e-5, "atol": 1e-6}
-            pairs = [(out, out64)] + [(g, g64) for g, g64 in zip(grads, grads64) if g is not None]
-            return not any(_close(a.double(), b, tight) for a, b in pairs)
+        for call in CALLS:
+            out, numbers, grads = _plain_run(program, program.dtype, call)
+            if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+                return False
+            if program.dtype == "float32":
+                out64, numbers64, grads64 = _plain_run(program, "float64", call)
+                tight = {"rtol": 1e-5, "atol": 1e-6}
+                pairs = [(out, out64)] + [(g, g64) for g, g64 in zip(grads, grads64) if g is not None]
+                if any(_close(a.double(), b.double(), tight) for a, b in pairs):
+                    return False
+                if not all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(numbers, numbers64)):
+                    return False
         return True
     except Exception:
         return False
 
 
-# Each builder returns the candidate's steps as (kind, DTensor line, plain line or _SAME or None), or None when the
-# op does not apply to the running value.
-_Candidate = list[tuple[str, str, Any]] | None
+# Each builder returns the candidate's steps as (kind, DTensor line, plain line or _SAME or None) or as a Step
+# (``_step``: with a margin, a number it defines, inputs it writes), or None when the op does not apply to the
+# running value.
+_Candidate = list[tuple[str, str, Any] | Step] | None
 
 
 def _op_linear(g: _Generator) -> _Candidate:
@@ -747,16 +939,28 @@ def _op_reduce(g: _Generator) -> _Candidate:
 
 
 def _op_sdpa(g: _Generator) -> _Candidate:
+    """Attention, with its keywords: ``is_causal``, ``attn_mask`` (a float mask input), ``scale``, ``dropout_p=0``."""
     if g.ndim != 4:
         return None
     b, h, length, e = g.shape
-    causal = ", is_causal=True" if g.rng.random() < 0.4 else ""
-    if g.rng.random() < 0.35:
-        return [("sdpa", f"y = F.scaled_dot_product_attention(y, y, y{causal})", _SAME)]
     s = length if g.rng.random() < 0.6 else g.size()
-    k = g.new_input("k", (b, h, s, e))
-    v = g.new_input("v", (b, h, s, e if g.rng.random() < 0.7 else g.size()))
-    return [("sdpa", f"y = F.scaled_dot_product_attention(y, {k}, {v}{causal})", _SAME)]
+    keywords = []
+    r = g.rng.random()
+    if r < 0.35:
+        keywords.append("is_causal=True")
+    elif r < 0.55:
+        mask_shape = g.rng.choice([(length, s), (1, 1, length, s), (b, 1, length, s)])
+        keywords.append(f"attn_mask={g.new_input('m', mask_shape)}")
+    if g.rng.random() < 0.3:
+        keywords.append(f"scale={g.rng.choice([0.5, 0.25])}")
+    if g.rng.random() < 0.15:
+        keywords.append("dropout_p=0.0")
+    if g.rng.random() < 0.35 and s == length:
+        q, k, v = "y", "y", "y"
+    else:
+        q, k = "y", g.new_input("k", (b, h, s, e))
+        v = g.new_input("v", (b, h, s, e if g.rng.random() < 0.7 else g.size()))
+    return [("sdpa", f"y = F.scaled_dot_product_attention({', '.join([q, k, v, *keywords])})", _SAME)]
 
 
 def _op_heads(g: _Generator) -> _Candidate:
@@ -833,6 +1037,165 @@ def _op_local_roundtrip(g: _Generator) -> _Candidate:
     ]
 
 
+# -- values read from the data ------------------------------------------------------------------------------
+
+
+def _number_use(g: _Generator, s: str) -> Step:
+    """A step that takes the Python number ``s`` (read with ``.item()``) as a scalar argument."""
+    near = f"apart(y, {s}, y)"  # a kink or jump at s: no element near it
+    kind, line, margin = g.rng.choice(
+        [
+            ("number-op", f"y = y * {s}", ""),
+            ("number-op", f"y = y + {s}", ""),
+            ("number-op", f"y = {s} - y", ""),
+            ("number-op", f"y = y / (abs({s}) + 1.0)", ""),
+            ("number-op", f"y = torch.add(y, y, alpha={s})", ""),
+            ("number-op", f"y = y * torch.full_like(y, {s})", ""),
+            ("number-op", f"y = torch.clamp(y, max={s})", near),
+            ("number-op", f"y = torch.clamp(y, min={s})", near),
+            ("where", f"y = torch.where(y > {s}, y, 0.5 * y)", near),
+            ("where", f"y = y.masked_fill(y > {s}, {s})", near),
+        ]
+    )
+    return _step(kind, line, margin=margin)
+
+
+def _op_item(g: _Generator) -> _Candidate:
+    """``s = <a reduction of y>.item()``: a run-time number (the global value, also of a Partial), often used next."""
+    reduction = g.rng.choice(
+        ["y.sum()", "y.mean()", "y.amax()", "y.amin()", "y.abs().mean()", "y.detach().sum()", "y[0].sum()"]
+    )
+    s = g.new_number()
+    steps = [_step("item", f"{s} = {reduction}.item()", defines=s)]
+    if g.rng.random() < 0.6:
+        steps.append(_number_use(g, s))
+    return steps
+
+
+def _op_use_number(g: _Generator) -> _Candidate:
+    """A later op taking a number read earlier in the chain."""
+    return [_number_use(g, g.rng.choice(g.numbers))] if g.numbers else None
+
+
+def _op_where(g: _Generator) -> _Candidate:
+    """A comparison into ``torch.where`` / ``masked_fill`` / a mask product: the data chooses, in a tensor."""
+    t = g.rng.choice(["0.0", "0.25", "-0.3"])
+    r = g.rng.random()
+    if r < 0.3:
+        o = g.new_input("o", _broadcast_shape(g))
+        line = g.rng.choice([f"y = torch.where(y > {o}, y, {o})", f"y = torch.where({o} < y, {o}, 2.0 * y)"])
+        return [_step("where", line, margin=f"apart(y, {o}, y)")]
+    line = g.rng.choice(
+        [
+            f"y = torch.where(y > {t}, y, 0.1 * y)",
+            f"y = torch.where(y < {t}, -y, y)",
+            f"y = torch.where(y > {t}, y, 0.0)",
+            f"y = y.masked_fill(y < {t}, 0.0)",
+            f"y = y * (y > {t})",
+            f"y = y * (y > {t}).to(y.dtype)",
+        ]
+    )
+    return [_step("where", line, margin=f"apart(y, {t}, y)")]
+
+
+#: the two branches of a Python ``if`` on the data
+_BRANCHES = ["y = y * 2.0", "y = y - 1.0", "y = -y", "y = F.relu(y)", "y = torch.tanh(y)", "y = y.exp()"]
+
+
+def _op_if(g: _Generator) -> _Candidate:
+    """Python control flow on a value of the data: refused by thunder.jit (as plain thunder refuses it), run by
+    thunderfx (dynamo splits the graph at the condition)."""
+    conds = [
+        ("y.sum() > 0", "apart(y.sum(), 0.0, y.abs().sum())"),
+        ("y.mean() > 0.1", "apart(y.mean(), 0.1, y.abs().mean())"),
+        ("y.amax() > 0.5", "apart(y.amax(), 0.5, y.abs().amax())"),
+        ("(y.sum() < 0).item()", "apart(y.sum(), 0.0, y.abs().sum())"),
+    ]
+    conds += [(f"{s} > 0", f"apart({s}, 0.0, {s})") for s in g.numbers]
+    cond, margin = g.rng.choice(conds)
+    a, b = g.rng.sample(_BRANCHES, 2)
+    return [_step("if", f"if {cond}:\n    {a}\nelse:\n    {b}", margin=margin)]
+
+
+# -- keyword arguments of the dedicated rules -------------------------------------------------------------------
+
+
+def _op_embedding(g: _Generator) -> _Candidate:
+    """A lookup in a (maybe vocab-sharded) table with ids of the running value's leading shape, with the keywords
+    ``padding_idx``, ``max_norm`` (a write into the table: compared after the call), ``scale_grad_by_freq``."""
+    if not 2 <= g.ndim <= 4 or math.prod(g.shape[:-1]) > 64:
+        return None
+    vocab = g.rng.choice([4, 5, 6, 8, 12, 16])
+    ids = g.new_int_input("i", g.shape[:-1], vocab)
+    placements = [
+        "S0" if r < 0.45 else ("S1" if r < 0.6 else "R") for r in (g.rng.random() for _ in g.mesh_shape)
+    ]  # vocab-parallel (Shard(0)) most often
+    w = g.new_input("w", (vocab, g.shape[-1]), placements=placements)
+    keywords, writes = [], ()
+    if g.rng.random() < 0.45:
+        keywords.append(f"padding_idx={g.rng.randrange(-vocab, vocab)}")
+    if g.rng.random() < 0.3:
+        keywords.append("scale_grad_by_freq=True")
+    if g.rng.random() < 0.12:
+        keywords.append(f"max_norm={g.rng.choice([1.0, 1.5])}" + (", norm_type=1.0" if g.rng.random() < 0.3 else ""))
+        writes = (w,)
+    call = f"F.embedding({', '.join([ids, w, *keywords])})"
+    r = g.rng.random()
+    line = f"y = y + {call}" if r < 0.55 else (f"y = {call} * y" if r < 0.85 else f"y = {call}")
+    return [_step("embedding", line, writes=writes)]
+
+
+def _op_loss(g: _Generator) -> _Candidate:
+    """``cross_entropy`` / ``nll_loss`` of the running value (classes on dim 1) with ``weight=``, ``ignore_index``,
+    ``label_smoothing`` and ``reduction``; a reduced (0-dim) loss ends the program."""
+    if not 2 <= g.ndim <= 3 or g.shape[1] < 2:
+        return None
+    classes = g.shape[1]
+    target = g.new_int_input("t", (g.shape[0], *g.shape[2:]), classes)
+    kind = g.rng.choice(["cross_entropy", "nll_loss"])
+    keywords = []
+    if g.rng.random() < 0.35:
+        keywords.append(f"weight={g.new_input('cw', (classes,), 0.5, requires_grad=False)}")
+    if g.rng.random() < 0.4:
+        keywords.append(f"ignore_index={g.rng.randrange(classes)}")
+    if kind == "cross_entropy" and g.rng.random() < 0.4:
+        keywords.append(f"label_smoothing={g.rng.choice([0.1, 0.25])}")
+    final = len(g.steps) + 1 >= _MIN_OPS
+    reduction = g.rng.choice(["mean", "sum", "none"]) if final else "none"
+    if reduction != "mean" or g.rng.random() < 0.5:
+        keywords.append(f'reduction="{reduction}"')
+    logits = "y" if kind == "cross_entropy" or g.rng.random() < 0.4 else "F.log_softmax(y, dim=1)"
+    return [_step(kind, f"y = F.{kind}({', '.join([logits, target, *keywords])})")]
+
+
+def _op_dropout(g: _Generator) -> _Candidate:
+    line = g.rng.choice(
+        [
+            "y = F.dropout(y, p=0.3, training=False)",
+            "y = F.dropout(y, 0.5, False)",
+            "y = torch.dropout(y, 0.2, False)",
+            "y = F.dropout(y, p=0.0)",
+        ]
+    )
+    return [_step("dropout", line)]
+
+
+def _op_dtype_keyword(g: _Generator) -> _Candidate:
+    """``dtype=`` of softmax and reductions: computed in float64 (a float32 program's value becomes float64)."""
+    d = g.dim()
+    kind, line = g.rng.choice(
+        [
+            ("softmax-dtype", f"y = F.softmax(y, dim={d}, dtype=torch.float64)"),
+            ("softmax-dtype", f"y = F.log_softmax(y, {d}, dtype=torch.float64)"),
+            ("softmax-dtype", f"y = y.softmax({d}, dtype=torch.float64)"),
+            ("sum-dtype", f"y = y.sum(dim={d}, dtype=torch.float64)"),
+            ("sum-dtype", f"y = torch.sum(y, {d}, keepdim=True, dtype=torch.float64)"),
+            ("sum-dtype", f"y = y.mean(dim={d}, dtype=torch.float64)"),
+        ]
+    )
+    return [_step(kind, line)]
+
+
 _BUILDERS: list[tuple[Callable[[_Generator], _Candidate], float]] = [
     (_op_linear, 6),
     (_op_matmul, 3),
@@ -863,17 +1226,31 @@ _BUILDERS: list[tuple[Callable[[_Generator], _Candidate], float]] = [
     (_op_inplace, 3),
     (_op_redistribute, 4),
     (_op_local_roundtrip, 4),
+    (_op_item, 3),
+    (_op_use_number, 2),
+    (_op_where, 3),
+    (_op_if, 2),
+    (_op_embedding, 3),
+    (_op_loss, 2.5),
+    (_op_dropout, 1),
+    (_op_dtype_keyword, 1.5),
 ]
 
 
-def generate_program(seed: int, world_size: int, mesh_shape: Sequence[int] | None = None) -> Program:
-    """The program of ``seed``: a function of the seed, world size and mesh shape only (the same on every rank)."""
+def generate_program(
+    seed: int, world_size: int, mesh_shape: Sequence[int] | None = None, *, thunderfx_share: float = 0.0
+) -> Program:
+    """The program of ``seed``: a function of the seed, world size and mesh shape only (the same on every rank).
+
+    ``thunderfx_share``: the share of programs that read no values into Python that run under thunderfx too (those
+    that read values always do); it changes no program's ops. thunderfx compiles cost about two programs' time.
+    """
     mesh_shape = tuple(mesh_shape or (world_size,))
     if math.prod(mesh_shape) != world_size:
         raise ValueError(f"mesh {mesh_shape} does not have {world_size} ranks")
     rng = random.Random(f"thunder_dtensor.fuzz/{seed}/{world_size}/{mesh_shape}")
     for _ in range(50):
-        program = _Generator(rng, seed, world_size, mesh_shape).build()
+        program = _Generator(rng, seed, world_size, mesh_shape, thunderfx_share).build()
         if program is not None:
             return program
     raise RuntimeError(f"no valid program drawn for seed {seed}")
@@ -922,6 +1299,11 @@ def program_functions(program: Program) -> tuple[Callable, Callable]:
 _EAGER_WRONG = " (eager DTensor differs from plain torch too)"
 #: appended to a value mismatch where thunder gives exactly eager DTensor's (wrong) values
 _AS_EAGER = "; thunder gives eager DTensor's values"
+#: appended to a value mismatch where thunder gives what thunder alone (thunder.jit, or thunderfx) gives for the
+#: plain program on the full tensors: the bug is thunder's
+_AS_PLAIN_THUNDER = "; thunder gives plain thunder's values for the plain program"
+#: the phase prefix of what the second call of a compiled function (the second data set) found
+_SECOND = "2nd data: "
 
 
 @dataclass
@@ -930,7 +1312,8 @@ class Failure:
 
     mode: str
     kind: str
-    #: forward / output / backward / grads (where an error was raised), or output / grad <name> (a mismatch)
+    #: forward / output / backward / grads (where an error was raised), or output / grad <name> / number <name> /
+    #: input <name> (a mismatch); prefixed with "2nd data: " where the second call found it
     phase: str
     detail: str
 
@@ -940,7 +1323,7 @@ class Failure:
         detail = re.sub(r"Tensor-likes are not close!.*allowed\)", "values differ", self.detail)
         detail = re.sub(r"0x[0-9a-f]+", "0x_", detail)
         detail = re.sub(r"\d+", "N", detail)[:160]
-        phase = "grad" if self.phase.startswith("grad ") else self.phase
+        phase = re.sub(r"\b(grad|number|input) \S+", r"\1", self.phase)
         return f"{self.kind} [{phase}] {detail}"
 
     def __str__(self) -> str:
@@ -954,73 +1337,102 @@ class ProgramResult:
     outcome: str
     #: what eager DTensor raised ("" if it ran)
     eager_error: str
-    #: per thunder mode: matched / raised-clearly / failed
+    #: per thunder mode: matched / raised-clearly / refused-like-plain-thunder (a read of data thunder.jit refuses
+    #: where plain thunder refuses the plain program too) / rejected-like-eager (thunderfx) / failed
     mode_outcomes: dict[str, str]
     failures: list[Failure]
     seconds: float
-    #: for a failing program, how thunder.jit alone (plain full tensors, no DTensor) gets it wrong ("": right)
+    #: for a failing thunder.jit mode, how thunder.jit alone (plain full tensors, no DTensor) gets it wrong ("": right)
     plain_thunder: str = ""
     #: eager attended on mixed layouts, so only values were compared (see ``_AttentionLayouts``)
     values_only: bool = False
+    #: for a failing thunderfx run, how thunderfx alone gets the plain program wrong ("": right)
+    plain_thunderfx: str = ""
+    #: for a thunderfx run that raises, how dynamo alone (``torch.compile`` with the eager backend) fails the DTensor
+    #: program ("": it runs it)
+    dynamo_alone: str = ""
+
+    def _plain(self, failure: Failure) -> str:
+        return self.plain_thunderfx if failure.mode == "thunderfx" else self.plain_thunder
+
+    def _upstream(self, f: Failure) -> str:
+        if f.mode == "thunderfx" and f.kind == "thunder-raises-eager-runs" and self.dynamo_alone:
+            return "dynamo alone (torch.compile, eager backend) fails the DTensor program too (a torch bug)"
+        if f.kind == "thunder-raises-eager-runs" and f.detail.startswith("DTensorOpError"):
+            if self._plain(f):
+                return "thunder fails the plain program too; thunder_dtensor raises a DTensorOpError"
+            if _EAGER_WRONG in f.detail:
+                return "eager DTensor differs from plain torch (a torch bug); thunder_dtensor raises a DTensorOpError"
+        if f.kind in ("value-mismatch", "grad-mismatch"):
+            if f.detail.endswith(_AS_EAGER):
+                return "eager DTensor differs from plain torch, and thunder gives eager's values (a torch bug)"
+            if f.detail.endswith(_AS_PLAIN_THUNDER):
+                return "thunder alone gives the same wrong values for the plain program (a thunder bug)"
+        return ""
 
     @property
     def upstream(self) -> str:
-        """Why this failure is not this package's bug ("" if it is), with the evidence the fuzzer gathered:
+        """Why this failure is not this package's bug ("" if it is), with the evidence the fuzzer gathered, for
+        every failure of the program:
 
-        * thunder.jit alone fails the plain program too, and thunder_dtensor refuses it with a
+        * thunder alone fails the plain program too, and thunder_dtensor refuses it with a
           :class:`DTensorOpError` (a clear error where thunder itself would be wrong);
         * eager DTensor differs from plain torch too, and thunder gives eager's values (a torch DTensor bug that
-          thunder reproduces faithfully) or refuses the program with a :class:`DTensorOpError`.
+          thunder reproduces faithfully) or refuses the program with a :class:`DTensorOpError`;
+        * thunder alone gives the same wrong values for the plain program (``if`` on an ``.item()`` number is
+          decided at trace time by plain thunder too);
+        * thunderfx raises where dynamo alone (``torch.compile(fn, backend="eager")``) fails the DTensor program too.
         """
-        if not self.failures:
-            return ""
-        if self.plain_thunder and all(
-            f.kind == "thunder-raises-eager-runs" and f.detail.startswith("DTensorOpError") for f in self.failures
-        ):
-            return "thunder.jit fails the plain program too; thunder_dtensor raises a DTensorOpError"
-        if all(f.kind == "value-mismatch" and f.detail.endswith(_AS_EAGER) for f in self.failures):
-            return "eager DTensor differs from plain torch, and thunder gives eager's values (a torch bug)"
-        if all(
-            f.kind == "thunder-raises-eager-runs" and f.detail.startswith("DTensorOpError") and _EAGER_WRONG in f.detail
-            for f in self.failures
-        ):
-            return "eager DTensor differs from plain torch (a torch bug); thunder_dtensor raises a DTensorOpError"
-        return ""
+        reasons = [self._upstream(f) for f in self.failures]
+        return "; ".join(dict.fromkeys(reasons)) if reasons and all(reasons) else ""
 
     def signature(self, failure: Failure) -> str:
-        """The failure's signature, marked where thunder.jit fails the plain program too (the bug is upstream)."""
-        return failure.signature + (" | plain thunder.jit fails too" if self.plain_thunder else "")
+        """The failure's signature, marked where thunder alone fails the plain program too (the bug is upstream)."""
+        signature = failure.signature
+        if failure.mode == "thunderfx" and failure.kind == "thunder-raises-eager-runs" and self.dynamo_alone:
+            signature += " | dynamo alone fails too"
+        if not self._plain(failure):
+            return signature
+        return signature + f" | plain {'thunderfx' if failure.mode == 'thunderfx' else 'thunder.jit'} fails too"
 
     def signatures(self) -> dict[str, str]:
-        """Failure signature -> the modes that show it ("lowering", "no-lowering" or "both")."""
+        """Failure signature -> the modes that show it (one mode, or "both" / "all" for several)."""
         modes: dict[str, set] = {}
         for f in self.failures:
             modes.setdefault(self.signature(f), set()).add(f.mode)
-        return {sig: "both" if len(m) > 1 else next(iter(m)) for sig, m in modes.items()}
+        names = {1: None, 2: "both"}
+        return {sig: names.get(len(m), "all") or next(iter(m)) for sig, m in modes.items()}
 
     def key(self) -> tuple:
         """What every rank must agree on."""
         failures = tuple(sorted((f.mode, f.kind, f.phase) for f in self.failures))
-        return (self.program.seed, self.outcome, failures, bool(self.plain_thunder))
+        plain = (bool(self.plain_thunder), bool(self.plain_thunderfx), bool(self.dynamo_alone))
+        return (self.program.seed, self.outcome, failures, plain)
 
     def headline(self) -> str:
         kinds = sorted({f"{f.mode}:{f.kind}" for f in self.failures})
         upstream = f" | plain thunder.jit: {self.plain_thunder}" if self.plain_thunder else ""
+        upstream += f" | plain thunderfx: {self.plain_thunderfx}" if self.plain_thunderfx else ""
+        upstream += f" | dynamo alone: {self.dynamo_alone}" if self.dynamo_alone else ""
         return f"FAIL ({self.seconds:.1f}s) {self.program.describe()} | {', '.join(kinds)}{upstream}"
 
     def reproducer(self, signature: str | None = None) -> str:
         """The reproducer for the mode that fails first (with ``signature``, if given); lists every failure."""
         chosen = [f for f in self.failures if signature is None or self.signature(f) == signature] or self.failures
-        lowering = MODES.get(chosen[0].mode, True) if chosen else True
+        mode = chosen[0].mode if chosen and chosen[0].mode in MODES else "lowering"
         found = [str(f) for f in self.failures]
         if self.plain_thunder:
             found.append(f"plain thunder.jit on the full tensors: {self.plain_thunder}")
-        return self.program.reproducer(lowering, "\n".join(found))
+        if self.plain_thunderfx:
+            found.append(f"plain thunderfx on the full tensors: {self.plain_thunderfx}")
+        if self.dynamo_alone:
+            found.append(f"dynamo alone (torch.compile(fn, backend='eager')) on the DTensors: {self.dynamo_alone}")
+        return self.program.reproducer(mode, "\n".join(found))
 
 
 @dataclass
 class _Run:
-    """What one way of running a program (eager DTensor or a jit) gave."""
+    """What one way of running a program (eager DTensor or a compiled function) gave, for one data set."""
 
     error: BaseException | None = None
     phase: str = ""
@@ -1030,11 +1442,28 @@ class _Run:
     #: the output DTensor's global shape (which can disagree with its full tensor's: a torch bug)
     shape: tuple | None = None
     out_requires_grad: bool = False
+    #: the Python numbers the program read (returned beside its output)
+    numbers: list = field(default_factory=list)
+    #: the full values, after the forward, of the inputs the program writes into
+    inputs_after: list = field(default_factory=list)
     backward_ran: bool = False
     grads: list = field(default_factory=list)
     grad_placements: list = field(default_factory=list)
     #: eager ran attention on a layout whose placements eager derives on its own (see ``_AttentionLayouts``)
     derived_attention: bool = False
+
+
+@dataclass
+class _Reference:
+    """Plain torch on the full tensors of one data set: what every run's values must be."""
+
+    out: torch.Tensor
+    numbers: list
+    grads: list
+    #: None where the output does not require grad (then there is no backward)
+    cotangent: torch.Tensor | None
+    #: the values, after the call, of the inputs the program writes into
+    inputs_after: list
 
 
 class _AttentionLayouts(torch.overrides.TorchFunctionMode):
@@ -1077,25 +1506,43 @@ def _check_ranks_agree(what: str, placements: Any) -> None:
 
 
 def _describe_error(error: BaseException) -> str:
+    inner = getattr(error, "inner_exception", None)  # dynamo's BackendCompilerFailed: the backend's own error
+    if isinstance(inner, BaseException):
+        return f"{type(error).__name__} from {_describe_error(inner)}"
     lines = str(error).strip().splitlines() or [""]
     return f"{type(error).__name__}: {lines[0][:240]}"
 
 
-def _execute(fn: Callable, make_inputs: Callable[[], list], cotangent: torch.Tensor | None) -> _Run:
-    """Run ``fn`` on fresh DTensor inputs; forward, full output, backward (with ``cotangent``), full gradients."""
+def _execute(
+    fn: Callable,
+    make_inputs: Callable[[], list],
+    cotangent: torch.Tensor | None,
+    written: Sequence[int] = (),
+    *,
+    eager: bool = True,
+) -> _Run:
+    """Run ``fn`` on fresh DTensor inputs; forward, full output, backward (with ``cotangent``), full gradients.
+
+    ``fn`` returns its output DTensor, or ``(output, numbers)``; ``written``: the inputs whose values after the
+    forward are recorded too. ``eager``: ``fn`` is the eager program (its attention layouts are noted; a compiled
+    function runs without the torch function mode that notes them, which dynamo would trace).
+    """
     from torch.distributed.tensor import DTensor
 
     run = _Run()
     inputs = make_inputs()
     layouts = _AttentionLayouts()
     try:
-        with layouts:
+        with layouts if eager else contextlib.nullcontext():
             out = fn(*inputs)
     except Exception as error:
         run.error, run.phase = error, "forward"
         return run
     finally:
         run.derived_attention = layouts.derived
+    if isinstance(out, tuple):
+        out, numbers = out
+        run.numbers = list(numbers)
     if not isinstance(out, DTensor):
         run.not_dtensor = type(out).__name__
         return run
@@ -1105,6 +1552,7 @@ def _execute(fn: Callable, make_inputs: Callable[[], list], cotangent: torch.Ten
         run.shape = tuple(out.shape)
         run.out_requires_grad = out.requires_grad
         run.out_full = out.full_tensor().detach()
+        run.inputs_after = [inputs[k].full_tensor().detach() for k in written]
     except Exception as error:
         run.error, run.phase = error, "output"
         return run
@@ -1151,91 +1599,152 @@ def _fmt(placements: Sequence[Any] | None) -> str:
     return "(" + ", ".join(map(str, placements or ())) + ")"
 
 
-def _eager_mismatches(program: Program, eager: _Run, expected: torch.Tensor, expected_grads: list) -> set[str]:
-    """Where eager DTensor's own values differ from plain torch ("output", "grad <name>"): for triage only."""
+def _number_differs(have: Any, want: Any, tol: dict) -> str:
+    """Empty if ``have`` is the Python number ``want`` (same type, equal within ``tol``), else how it differs."""
+    if type(have) is not type(want):
+        return f"a {type(have).__name__} ({have!r}) where plain torch gives a {type(want).__name__} ({want!r})"
+    if math.isclose(have, want, rel_tol=tol["rtol"], abs_tol=tol["atol"]):
+        return ""
+    return f"{have!r} vs plain torch {want!r}"
+
+
+def _reference(program: Program, fn_plain: Callable, call: int) -> _Reference:
+    from thunder_dtensor.testing import make_full
+
+    inputs = [_full(i, program.dtype, call) for i in program.inputs]
+    result = fn_plain(*inputs)
+    out, numbers = result if isinstance(result, tuple) else (result, ())
+    cotangent = None
+    if out.requires_grad and out.is_floating_point():
+        seed = program.cotangent_seed if call == 0 else _second_seed(program.cotangent_seed)
+        cotangent = make_full(out.shape, seed=seed, dtype=out.dtype)
+        out.backward(cotangent)
+    after = [inputs[k].detach() for k in program.written]
+    return _Reference(out.detach(), list(numbers), [x.grad for x in inputs], cotangent, after)
+
+
+def _eager_mismatches(program: Program, eager: _Run, ref: _Reference) -> set[str]:
+    """Where eager DTensor's own values differ from plain torch ("output", "grad <name>", "number <name>",
+    "input <name>"): for triage only."""
     tol = _TOLERANCES[program.dtype]
     wrong = set()
-    wrong_values = eager.out_full is not None and _close(eager.out_full, expected.detach(), tol)
-    if wrong_values or (eager.shape is not None and eager.shape != tuple(expected.shape)):
+    wrong_values = eager.out_full is not None and _close(eager.out_full, ref.out, tol)
+    if wrong_values or (eager.shape is not None and eager.shape != tuple(ref.out.shape)):
         wrong.add("output")
-    for spec, want, have in zip(program.inputs, expected_grads, eager.grads if eager.backward_ran else ()):
+    for name, want, have in zip(program.numbers, ref.numbers, eager.numbers):
+        if _number_differs(have, want, tol):  # eager's item() of a Partial value: this rank's unreduced part
+            wrong.add(f"number {name}")
+    for k, want, have in zip(program.written, ref.inputs_after, eager.inputs_after):
+        if _close(have, want, tol):
+            wrong.add(f"input {program.inputs[k].name}")
+    for spec, want, have in zip(program.inputs, ref.grads, eager.grads if eager.backward_ran else ()):
         if want is not None and have is not None and _close(have, want, tol):
             wrong.add(f"grad {spec.name}")
     return wrong
 
 
 def _judge(
-    mode: str,
-    program: Program,
-    eager: _Run,
-    got: _Run,
-    expected: torch.Tensor,
-    expected_grads: list,
-    backward: bool,
+    mode: str, program: Program, eager: _Run, eager_wrong: set[str], got: _Run, ref: _Reference, call: int
 ) -> tuple[str, list[Failure]]:
-    """A thunder run against plain torch (values) and eager DTensor (placements; whether it may raise)."""
-    from thunder_dtensor.errors import DTensorOpError
+    """A thunder run against plain torch (values) and eager DTensor (placements; whether it may raise).
+
+    Outcome "refused": thunder.jit raised a ``DataDependentValueError`` where eager ran (``run_program`` asks
+    plain thunder whether it refuses the plain program too).
+    """
+    from thunder_dtensor.errors import DataDependentValueError, DTensorOpError
     from thunder_dtensor.testing import same_placements
 
+    at = "" if call == 0 else _SECOND
     eager_ran = eager.error is None and not eager.not_dtensor
     if got.not_dtensor:
-        return "failed", [Failure(mode, "placement-mismatch", "output", f"the output is a {got.not_dtensor}")]
+        return "failed", [Failure(mode, "placement-mismatch", at + "output", f"the output is a {got.not_dtensor}")]
     tol = _TOLERANCES[program.dtype]
     failures = []
-    eager_wrong = _eager_mismatches(program, eager, expected, expected_grads)
     also = _EAGER_WRONG
+
+    def mismatch(kind: str, where: str, detail: str, as_eager: bool) -> None:
+        if where in eager_wrong:
+            detail += also + (_AS_EAGER if as_eager else "")
+        failures.append(Failure(mode, kind, at + where, detail))
+
     if got.out_full is not None:  # the forward ran (a later error is judged below, after the forward's results)
-        mismatch = _close(got.out_full, expected.detach(), tol)
-        if mismatch:
-            detail = mismatch + (also if "output" in eager_wrong else "")
-            if "output" in eager_wrong and eager.out_full is not None and not _close(got.out_full, eager.out_full, tol):
-                detail += _AS_EAGER
-            failures.append(Failure(mode, "value-mismatch", "output", detail))
-        if got.shape is not None and got.shape != tuple(expected.shape):
-            detail = f"output global shape {list(got.shape)} vs torch {list(expected.shape)}"
-            detail += also if "output" in eager_wrong else ""
-            failures.append(Failure(mode, "value-mismatch", "output", detail))
+        differs = _close(got.out_full, ref.out, tol)
+        if differs:
+            mismatch(
+                "value-mismatch",
+                "output",
+                differs,
+                eager.out_full is not None and not _close(got.out_full, eager.out_full, tol),
+            )
+        if got.shape is not None and got.shape != tuple(ref.out.shape):
+            mismatch(
+                "value-mismatch",
+                "output",
+                f"output global shape {list(got.shape)} vs torch {list(ref.out.shape)}",
+                False,
+            )
+        for k, (name, want) in enumerate(zip(program.numbers, ref.numbers)):
+            have = got.numbers[k] if k < len(got.numbers) else None
+            differs = _number_differs(have, want, tol)
+            if differs:
+                theirs = eager.numbers[k] if k < len(eager.numbers) else None
+                mismatch("value-mismatch", f"number {name}", differs, not _number_differs(have, theirs, tol))
+        for k, want, have in zip(program.written, ref.inputs_after, got.inputs_after):
+            differs = _close(have, want, tol)
+            if differs:
+                name = program.inputs[k].name
+                theirs = eager.inputs_after[program.written.index(k)] if eager.inputs_after else None
+                mismatch(
+                    "value-mismatch",
+                    f"input {name}",
+                    f"after the call: {differs}",
+                    theirs is not None and not _close(have, theirs, tol),
+                )
         # eager's placements are the reference only where its values are right
         eager_reference = eager.placements is not None and "output" not in eager_wrong and not eager.derived_attention
         if eager_reference and not same_placements(got.placements, eager.placements):
             detail = f"output placements {_fmt(got.placements)} vs eager {_fmt(eager.placements)}"
-            failures.append(Failure(mode, "placement-mismatch", "output", detail))
+            failures.append(Failure(mode, "placement-mismatch", at + "output", detail))
     if isinstance(got.error, RanksDisagree):
-        return "failed", [*failures, Failure(mode, "rank-divergence", got.phase, _describe_error(got.error))]
+        return "failed", [*failures, Failure(mode, "rank-divergence", at + got.phase, _describe_error(got.error))]
     if got.error is not None:
         detail = _describe_error(got.error)
         if eager_ran:
+            if isinstance(got.error, DataDependentValueError) and got.phase == "forward" and MODES[mode] is not None:
+                return "refused", [Failure(mode, "thunder-raises-eager-runs", at + got.phase, detail)]
             failures.append(
-                Failure(mode, "thunder-raises-eager-runs", got.phase, detail + (also if eager_wrong else ""))
+                Failure(mode, "thunder-raises-eager-runs", at + got.phase, detail + (also if eager_wrong else ""))
             )
         elif isinstance(got.error, DTensorOpError):
             return ("failed", failures) if failures else ("raised-clearly", [])
+        elif MODES[mode] is None:  # thunderfx: dynamo's own fake run of the program fails as eager does
+            return ("failed", failures) if failures else ("rejected-like-eager", [])
         else:
             # eager's own error passed through: no placements, no hint, but not from deep inside either
             same = eager.error is not None and _describe_error(eager.error) == detail
-            failures.append(Failure(mode, "eager-error-reraised" if same else "unclear-error", got.phase, detail))
+            failures.append(Failure(mode, "eager-error-reraised" if same else "unclear-error", at + got.phase, detail))
         return "failed", failures
-    if backward:
+    if ref.cotangent is not None:
         if not got.out_requires_grad:
-            failures.append(Failure(mode, "grad-mismatch", "output", "the output does not require grad"))
+            failures.append(Failure(mode, "grad-mismatch", at + "output", "the output does not require grad"))
         for i, spec in enumerate(program.inputs if got.backward_ran else ()):
-            want, have = expected_grads[i], got.grads[i]
+            want, have = ref.grads[i], got.grads[i]
             where = f"grad {spec.name}"
             if want is None or have is None:
                 if (want is None) != (have is None):
                     detail = "thunder gives no gradient" if have is None else "thunder gives a gradient, torch none"
-                    failures.append(Failure(mode, "grad-mismatch", where, detail))
+                    failures.append(Failure(mode, "grad-mismatch", at + where, detail))
                 continue
-            mismatch = _close(have, want, tol)
-            if mismatch:
-                detail = mismatch + (also if where in eager_wrong else "")
-                failures.append(Failure(mode, "grad-mismatch", where, detail))
+            differs = _close(have, want, tol)
+            if differs:
+                theirs = eager.grads[i] if eager.backward_ran else None
+                mismatch("grad-mismatch", where, differs, theirs is not None and not _close(have, theirs, tol))
             eager_reference = where not in eager_wrong and not eager.derived_attention
             if eager.backward_ran and eager.grad_placements[i] is not None and eager_reference:
                 mine, theirs = got.grad_placements[i], eager.grad_placements[i]
                 if mine is None or not same_placements(mine, theirs):
                     detail = f"gradient placements {_fmt(mine)} vs eager {_fmt(theirs)}"
-                    failures.append(Failure(mode, "grad-placement-mismatch", where, detail))
+                    failures.append(Failure(mode, "grad-placement-mismatch", at + where, detail))
     return ("failed" if failures else "matched"), failures
 
 
@@ -1255,94 +1764,242 @@ def device_mesh_for(mesh_shape: Sequence[int]) -> Any:
     return mesh_1d() if len(mesh_shape) == 1 else mesh_2d(mesh_shape[0])
 
 
-def run_program(program: Program, mesh: Any = None) -> ProgramResult:
-    """Run ``program`` four ways (plain torch, eager DTensor, thunder.jit with and without the lowering); judge."""
-    from thunder_dtensor._integration import clear_sharding_propagation_cache
+def _compile(mode: str, fn: Callable) -> Callable:
+    """``fn`` compiled the way ``mode`` runs it: thunder.jit with the lowering on or off, or thunderfx."""
+    if MODES[mode] is None:
+        from thunder.dynamo import thunderfx
 
+        return thunderfx(fn)
     import thunder
+
+    return thunder.jit(fn, dtensor_lowering=MODES[mode])
+
+
+@dataclass
+class _PlainRun:
+    """thunder alone (thunder.jit or thunderfx) on the plain program and the full tensors of the first data set."""
+
+    #: how it gets the program wrong ("" if it is right)
+    problem: str = ""
+    #: it refused the program at trace time (plain thunder's ``NotImplementedError`` for a read of data)
+    refused: bool = False
+    #: what it raised ("" if it ran), with the plain function's name and addresses made like the DTensor program's
+    error: str = ""
+    out: torch.Tensor | None = None
+    numbers: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+
+
+def _plain_check(kind: str, fn_plain: Callable, program: Program, ref: _Reference) -> _PlainRun:
+    """How thunder alone (``kind``: "jit" or "thunderfx") gets the plain program wrong: then the bug is not in
+    DTensor code."""
+    run = _PlainRun()
+    tol = _TOLERANCES[program.dtype]
+    inputs = [_full(i, program.dtype) for i in program.inputs]
+    try:
+        result = _compile("thunderfx" if kind == "thunderfx" else "lowering", fn_plain)(*inputs)
+    except Exception as error:
+        run.refused = isinstance(error, NotImplementedError | TypeError)
+        run.problem = f"raises {_describe_error(error)}"
+        run.error = _error_like_plain(error)
+        return run
+    out, numbers = result if isinstance(result, tuple) else (result, ())
+    run.out, run.numbers = out.detach(), list(numbers)
+    if _close(run.out, ref.out, tol) or any(_number_differs(a, b, tol) for a, b in zip(run.numbers, ref.numbers)):
+        run.problem = "values differ"
+    if ref.cotangent is not None:
+        try:
+            out.backward(ref.cotangent)
+        except Exception as error:
+            run.problem = run.problem or f"the backward raises {_describe_error(error)}"
+            return run
+        run.grads = [x.grad for x in inputs]
+        for want, x in zip(ref.grads, inputs):
+            if (want is None) != (x.grad is None) or (want is not None and _close(x.grad, want, tol)):
+                run.problem = run.problem or "gradients differ"
+    return run
+
+
+def _error_like_plain(error: BaseException) -> str:
+    """The error's description with what differs between the DTensor program and the plain one blanked."""
+    return re.sub(r"0x[0-9a-f]+", "0x_", _describe_error(error).replace("fn_plain", "fn"))
+
+
+def _dynamo_alone(fn: Callable, make_inputs: Callable[[], list]) -> str:
+    """How dynamo with no thunder (``torch.compile(fn, backend="eager")``) fails the DTensor program's forward ("": it
+    runs it): a thunderfx error it shares is torch's."""
+    try:
+        torch.compile(fn, backend="eager")(*make_inputs())
+    except Exception as error:
+        return f"raises {_describe_error(error)}"
+    return ""
+
+
+def _plain_cache_misses(fn_plain: Callable, program: Program) -> int:
+    """How often thunder.jit alone traces the plain program for the two data sets (it may retrace too)."""
+    import thunder
+
+    jitted = thunder.jit(fn_plain)
+    for call in CALLS:
+        try:
+            jitted(*[_full(i, program.dtype, call) for i in program.inputs])
+        except Exception:
+            return 0
+    return thunder.cache_misses(jitted)
+
+
+def _as_plain_thunder(failure: Failure, program: Program, got: _Run, plain: _PlainRun) -> None:
+    """Mark a first-call value mismatch where thunder gives exactly what thunder alone gives the plain program."""
+    if failure.kind not in ("value-mismatch", "grad-mismatch") or failure.phase.startswith(_SECOND):
+        return
+    if failure.detail.endswith(_AS_EAGER) or not plain.problem or plain.out is None:
+        return
+    tol = _TOLERANCES[program.dtype]
+    where, _, name = failure.phase.partition(" ")
+    if where == "output":
+        same = got.out_full is not None and not _close(got.out_full, plain.out, tol)
+    elif where == "number":
+        k = program.numbers.index(name)
+        same = (
+            k < len(got.numbers)
+            and k < len(plain.numbers)
+            and not _number_differs(got.numbers[k], plain.numbers[k], tol)
+        )
+    elif where == "grad" and got.backward_ran and plain.grads:
+        k = [i.name for i in program.inputs].index(name)
+        mine, theirs = got.grads[k], plain.grads[k]
+        same = mine is not None and theirs is not None and not _close(mine, theirs, tol)
+    else:
+        same = False
+    if same:
+        failure.detail += _AS_PLAIN_THUNDER
+
+
+def _refused_like_plain(
+    mode: str, program: Program, got: _Run, found: list[Failure], plain: Callable[[str], _PlainRun]
+) -> bool:
+    """A program that reads data which thunder.jit fails at trace time with plain thunder's own error for the plain
+    program (``if`` on an ``.item()`` of a comparison: "static NumberProxy needs to have value"): thunder's refusal."""
+    if MODES[mode] is None or not program.reads_data or got.error is None or got.phase != "forward":
+        return False
+    if [f.kind for f in found] != ["thunder-raises-eager-runs"]:
+        return False
+    return plain("jit").error == _error_like_plain(got.error)
+
+
+def _agreed(wrong: set[str]) -> set[str]:
+    """The union over the ranks (eager's ``item()`` of a Partial value differs by rank): every rank judges alike."""
+    gathered, _ = _agree(sorted(wrong))
+    return set().union(*map(set, gathered))
+
+
+def run_program(program: Program, mesh: Any = None) -> ProgramResult:
+    """Run ``program`` as plain torch, eager DTensor and each of its modes (thunder.jit with and without the
+    lowering, thunderfx), each compiled function called on both data sets; judge."""
+    from thunder_dtensor._integration import clear_sharding_propagation_cache
 
     start = time.perf_counter()
     mesh = mesh if mesh is not None else device_mesh_for(program.mesh_shape)
     dtype = getattr(torch, program.dtype)
     helpers = run_globals()
     fn, fn_plain = program_functions(program)
+    written = program.written
 
-    def make_inputs() -> list:
-        return [
+    def inputs_of(call: int) -> Callable[[], list]:
+        return lambda: [
             helpers["make_input"](
-                mesh, i.shape, i.seed, [eval(_placement_source(p), helpers) for p in i.placements], i.requires_grad,
-                dtype=dtype, low=i.low,
+                mesh, i.shape, i.data_seed(call), [eval(_placement_source(p), helpers) for p in i.placements],
+                i.requires_grad, dtype=dtype, low=i.low, int_high=i.int_high,
             )
             for i in program.inputs
         ]  # fmt: skip
 
+    plain_runs: dict[str, _PlainRun] = {}
+
+    def plain(kind: str) -> _PlainRun:
+        if kind not in plain_runs:
+            plain_runs[kind] = _plain_check(kind, fn_plain, program, refs[0])
+        return plain_runs[kind]
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the replicated fallback's warnings, thunder's
-        full_inputs = [_full(i, program.dtype).requires_grad_(i.requires_grad) for i in program.inputs]
-        expected = fn_plain(*full_inputs)
-        backward = expected.requires_grad and expected.is_floating_point()
-        cotangent = None
-        if backward:
-            from thunder_dtensor.testing import make_full
-
-            cotangent = make_full(expected.shape, seed=program.cotangent_seed, dtype=dtype)
-            expected.backward(cotangent)
-        expected_grads = [x.grad for x in full_inputs]
-
-        # once per program (the jit runs share eager's decisions: the same inputs' sharding is the same); eager's
-        # CPU attention strategy, found through decompositions, can take seconds to propagate
+        refs = [_reference(program, fn_plain, call) for call in CALLS]
+        # once per program (the compiled runs share eager's decisions: the same inputs' sharding is the same);
+        # eager's CPU attention strategy, found through decompositions, can take seconds to propagate
         clear_sharding_propagation_cache()
-        eager = _execute(fn, make_inputs, cotangent)
+        eagers = [_execute(fn, inputs_of(0), refs[0].cotangent, written)]
+        eagers.append(eagers[0] if eagers[0].error else _execute(fn, inputs_of(1), refs[1].cotangent, written))
+        eager_wrong = [_agreed(_eager_mismatches(program, e, r)) for e, r in zip(eagers, refs)]
         mode_outcomes: dict[str, str] = {}
         failures: list[Failure] = []
-        for mode, lowering in MODES.items():
+        first_runs: dict[str, _Run] = {}
+        for mode in program.modes:
             try:
-                got = _execute(thunder.jit(fn, dtensor_lowering=lowering), make_inputs, cotangent)
-                outcome, found = _judge(mode, program, eager, got, expected, expected_grads, backward)
+                compiled = _compile(mode, fn)
+                for call in CALLS:  # one compiled function, both data sets
+                    got = _execute(compiled, inputs_of(call), refs[call].cotangent, written, eager=False)
+                    first_runs.setdefault(mode, got)
+                    outcome, found = _judge(mode, program, eagers[call], eager_wrong[call], got, refs[call], call)
+                    if outcome == "refused":  # a read of data: expected where plain thunder refuses it too
+                        if plain("jit").refused:
+                            outcome, found = "refused-like-plain-thunder", []
+                        else:
+                            outcome = "failed"
+                            found[0].detail += " (plain thunder.jit runs the plain program)"
+                    elif outcome == "failed" and _refused_like_plain(mode, program, got, found, plain):
+                        outcome, found = "refused-like-plain-thunder", []
+                    if outcome != "matched":
+                        break
+                if outcome == "matched" and MODES[mode] is not None:
+                    import thunder
+
+                    traces = thunder.cache_misses(compiled)
+                    if traces != 1 and traces > (plain_traces := _plain_cache_misses(fn_plain, program)):
+                        detail = (
+                            f"{traces} traces for two calls with the same specs (plain thunder.jit: {plain_traces})"
+                        )
+                        outcome, found = "failed", [Failure(mode, "retrace", _SECOND + "call", detail)]
             except Exception as error:  # the harness itself: reported, not hidden
                 outcome, found = "failed", [Failure(mode, "fuzzer-error", "judge", _describe_error(error))]
             mode_outcomes[mode] = outcome
             failures += found
-
-        if isinstance(eager.error, RanksDisagree):  # eager DTensor in this process decides alike on every rank too
-            failures.append(Failure("eager", "rank-divergence", eager.phase, _describe_error(eager.error)))
-        plain_thunder = ""
+        if isinstance(eagers[0].error, RanksDisagree):  # eager DTensor in this process decides alike on every rank
+            failures.append(Failure("eager", "rank-divergence", eagers[0].phase, _describe_error(eagers[0].error)))
+        plain_thunder = plain_thunderfx = dynamo_alone = ""
+        if any(f.mode == "thunderfx" and f.kind == "thunder-raises-eager-runs" for f in failures):
+            dynamo_alone = _dynamo_alone(fn, inputs_of(0))
         if failures:
-            plain_thunder = _plain_thunder_check(fn_plain, program, expected, expected_grads, cotangent)
+            for f in failures:
+                if f.mode in first_runs:
+                    _as_plain_thunder(
+                        f, program, first_runs[f.mode], plain("thunderfx" if MODES[f.mode] is None else "jit")
+                    )
+            if any(MODES.get(f.mode, False) is not None for f in failures):
+                plain_thunder = plain("jit").problem
+            if any(f.mode == "thunderfx" for f in failures):
+                plain_thunderfx = plain("thunderfx").problem
+        if any(MODES[mode] is None for mode in program.modes):
+            torch._dynamo.reset()  # the programs' compiled graphs, one per program: not kept
 
+    eager = eagers[0]
     eager_error = "" if eager.error is None else f"[{eager.phase}] {_describe_error(eager.error)}"
     if eager.not_dtensor:
         eager_error = f"[output] the output is a {eager.not_dtensor}"
     outcome = "failed" if failures else ("eager-rejected" if eager_error else "passed")
     seconds = time.perf_counter() - start
+    values_only = any(e.derived_attention for e in eagers)
     return ProgramResult(
-        program, outcome, eager_error, mode_outcomes, failures, seconds, plain_thunder, eager.derived_attention
+        program,
+        outcome,
+        eager_error,
+        mode_outcomes,
+        failures,
+        seconds,
+        plain_thunder,
+        values_only,
+        plain_thunderfx,
+        dynamo_alone,
     )
-
-
-def _plain_thunder_check(
-    fn_plain: Callable, program: Program, expected: torch.Tensor, expected_grads: list, cotangent: torch.Tensor | None
-) -> str:
-    """How thunder.jit alone gets the plain program wrong ("" if it does not): then the bug is not in DTensor code."""
-    import thunder
-
-    tol = _TOLERANCES[program.dtype]
-    inputs = [_full(i, program.dtype).requires_grad_(i.requires_grad) for i in program.inputs]
-    try:
-        out = thunder.jit(fn_plain)(*inputs)
-    except Exception as error:
-        return f"raises {_describe_error(error)}"
-    if _close(out.detach(), expected.detach(), tol):
-        return "values differ"
-    if cotangent is not None:
-        try:
-            out.backward(cotangent)
-        except Exception as error:
-            return f"the backward raises {_describe_error(error)}"
-        for want, x in zip(expected_grads, inputs):
-            if (want is None) != (x.grad is None) or (want is not None and _close(x.grad, want, tol)):
-                return "gradients differ"
-    return ""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1373,6 +2030,10 @@ class FuzzSummary:
     def counts(self) -> Counter:
         counts: Counter = Counter(r.outcome for r in self.results)
         counts["values-only"] = sum(r.outcome == "passed" and r.values_only for r in self.results)
+        counts["thunderfx"] = sum("thunderfx" in r.mode_outcomes for r in self.results)
+        counts["refused-like-plain-thunder"] = sum(
+            "refused-like-plain-thunder" in r.mode_outcomes.values() for r in self.results
+        )
         for r in self.results:
             if r.outcome == "eager-rejected":
                 ran = any(o == "matched" for o in r.mode_outcomes.values())
@@ -1405,7 +2066,9 @@ class FuzzSummary:
             f"passed={c['passed']} (values only, after attention on mixed layouts: {c['values-only']}) "
             f"eager-rejected={c['eager-rejected']} "
             f"(thunder DTensorOpError={c['eager-rejected/thunder-DTensorOpError']}, "
-            f"thunder ran and matched={c['eager-rejected/thunder-ran-and-matched']}) failed={c['failed']} "
+            f"thunder ran and matched={c['eager-rejected/thunder-ran-and-matched']}) "
+            f"(thunderfx ran {c['thunderfx']}; thunder.jit refused a read of data as plain thunder does: "
+            f"{c['refused-like-plain-thunder']}) failed={c['failed']} "
             f"(upstream={len(self.failed) - len(self.failed_here)}) | "
             f"failing runs by kind: {by_kind}"
         )
@@ -1456,11 +2119,14 @@ def _agree(key: Any, flag: bool = False) -> tuple[list, bool]:
 
 
 def _step_groups(steps: Sequence[Step]) -> list[list[int]]:
-    """Step indices that only go together: a clone and the in-place op after it, to_local ... from_local."""
+    """Step indices that only go together: a clone and the in-place op after it, to_local ... from_local, a number
+    read and the op after it that takes it."""
     groups, i = [], 0
     while i < len(steps):
         if steps[i].kind == "clone" and i + 1 < len(steps) and steps[i + 1].kind == "inplace":
             size = 2
+        elif steps[i].defines and i + 1 < len(steps) and re.search(rf"\b{steps[i].defines}\b", steps[i + 1].line):
+            size = 2  # a number read and the op that takes it
         elif steps[i].kind == "to_local":
             size = 3
         else:
@@ -1471,7 +2137,8 @@ def _step_groups(steps: Sequence[Step]) -> list[list[int]]:
 
 
 def _rebuild(program: Program, steps: Sequence[Step], inputs: Sequence[InputSpec] | None = None) -> Program | None:
-    """``program`` with other steps (or inputs): re-run on plain tensors for the shapes; None where torch rejects it.
+    """``program`` with other steps (or inputs): re-run on plain tensors for the shapes; None where torch rejects it
+    (or a margin no longer holds).
 
     Inputs no step names any more are dropped.
     """
@@ -1480,20 +2147,17 @@ def _rebuild(program: Program, steps: Sequence[Step], inputs: Sequence[InputSpec
     text = "\n".join(st.line for st in steps)
     specs = program.inputs if inputs is None else tuple(inputs)
     used = tuple(i for k, i in enumerate(specs) if k == 0 or re.search(rf"\b{i.name}\b", text))
-    env: dict[str, Any] = {i.name: _full(i, program.dtype).requires_grad_(i.requires_grad) for i in used}
+    env = _inputs_env(used, program.dtype, 0)
     env["y"] = env[used[0].name]
-    rebuilt = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for st in steps:
-                if st.plain is not None:
-                    exec(st.plain, _PLAIN_GLOBALS, env)
-                rebuilt.append(replace(st, shape=tuple(env["y"].shape)))
+            shapes = _exec_plain(steps, env, final_ok=steps[-1].kind in _FINAL_KINDS)
     except Exception:
         return None
+    rebuilt = tuple(replace(st, shape=shape) for st, shape in zip(steps, shapes))
     reduced_from = program.reduced_from or f"{len(program.steps)} ops"
-    candidate = replace(program, inputs=used, steps=tuple(rebuilt), reduced_from=reduced_from)
+    candidate = replace(program, inputs=used, steps=rebuilt, reduced_from=reduced_from)
     return candidate if _plain_runs_well(candidate) else None
 
 
@@ -1559,13 +2223,14 @@ def fuzz(
     stop_on_failure: bool = False,
     on_result: Callable[[ProgramResult], None] | None = None,
     minimize_failures: bool = False,
+    thunderfx_share: float = 0.0,
 ) -> FuzzSummary:
     """Generate and run the programs of ``seeds`` on every rank (call under torchrun, after init_distributed).
 
     After each program the ranks compare their outcomes (all_gather_object): a difference is a
     ``rank-divergence`` failure and ends the run, as do the time limit (any rank past it) and, if asked, a failure.
     ``minimize_failures``: then the smallest program of each failure signature is made smaller (:func:`minimize`;
-    a few seconds per signature, not counted in the time limit).
+    a few seconds per signature, not counted in the time limit). ``thunderfx_share``: see :func:`generate_program`.
     """
     from thunder_dtensor.testing import world_size
 
@@ -1575,7 +2240,7 @@ def fuzz(
     for seed in seeds:
         mesh_shape = mesh_shape_for(seed, ws, mesh)
         try:
-            program = generate_program(seed, ws, mesh_shape)
+            program = generate_program(seed, ws, mesh_shape, thunderfx_share=thunderfx_share)
             result = run_program(program)
         except Exception as error:  # the harness itself: recorded as a failure of its own
             program = Program(seed, ws, mesh_shape, "float32", (InputSpec("x", (1,), ("R",), False, 0),), (), 0)

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
 RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 
-.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz compat clean
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz zoo compat clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ fuzz: setup
 	$(RUN2) scripts/fuzz.py --seeds $(FUZZ_SEEDS) $(FUZZ_ARGS); s2=$$?; \
 	$(RUN4) scripts/fuzz.py --seeds $(FUZZ_SEEDS) $(FUZZ_ARGS); s4=$$?; \
 	test $$s2 -eq 0 && test $$s4 -eq 0
+
+# the model zoo: transformers' own tensor parallelism (tp_plan="auto") on a tiny config of every architecture of the
+# installed transformers that has a plan, 2 training steps under thunder.jit and thunderfx against the one-process
+# model and greedy generate() for one model per family; prints the table and writes it to ZOO_OUT (hours on 2
+# cores; docs/tensor_parallel.md, "The model zoo"). e.g. make zoo ZOO_ARGS="--archs llama,gemma2 --frontends jit"
+ZOO_OUT ?= zoo-table.md
+ZOO_ARGS ?=
+zoo: setup
+	$(RUN2) scripts/zoo.py --out $(ZOO_OUT) $(ZOO_ARGS)
 
 # another torch (docs/architecture.md, "Versions"): a venv with it (CUDA wheels of 5-7 GB, deleted afterwards unless
 # KEEP=1), the unit tests, the seed and TP examples under thunder.jit and thunderfx, a distributed subset at 2 ranks.

@@ -92,7 +92,7 @@ POINTWISE = {
 }
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)  # the vocab-parallel and attention keywords also run at 4 ranks (suite time)
 def test_pointwise_keywords():
     x, y = make_full((6, 4), seed=1), make_full((6, 4), seed=2)
     c = make_full((6, 4), seed=3) > 0
@@ -147,7 +147,7 @@ def _keyword_dropout_in_place(x: Any) -> Any:
     return t
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)  # the vocab-parallel and attention keywords also run at 4 ranks (suite time)
 @pytest.mark.parametrize("fn", [_dropout_in_place, _keyword_dropout_in_place], ids=lambda f: f.__name__)
 def test_dropout_inplace(fn):
     """The input is written (eager's values, drawn from the same seed), and the gradient reuses the mask."""
@@ -230,7 +230,7 @@ MEAN_LOSSES = {
 }
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)  # the vocab-parallel and attention keywords also run at 4 ranks (suite time)
 def test_mean_loss_keywords():
     """The mean over a batch-sharded input is the global one (eager's per-rank means are wrong here: see
     ops/losses.py), so plain torch is the reference."""
@@ -277,7 +277,7 @@ INPLACE = {
 }
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)  # the vocab-parallel and attention keywords also run at 4 ranks (suite time)
 def test_inplace_keywords():
     x, y = make_full((4, 6), seed=21), make_full((4, 6), seed=22)
     run_keywords(INPLACE, [x, y], [S0, R], assert_comms=COMMS_ASSERTED)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from thunder_dtensor import DTensorOpError
 from thunder_dtensor.errors import DataDependentValueError
-from thunder_dtensor.testing import comm_counts, mesh_1d
+from thunder_dtensor.testing import comm_counts, mesh_1d, world_size
 
 import pytest
 import thunder
@@ -67,6 +67,8 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("name", READS)
 def test_each_read_is_computed_at_run_time_or_refused_as_plain_thunder_does(name, placements):
     """The expectation is asserted for plain thunder on plain tensors too, so the table stays true."""
+    if world_size() == 4 and placements == [Replicate()]:
+        pytest.skip("at 4 ranks the uneven Shard(0) layout only (suite time)")
     fn, expected = READS[name]
     plain = thunder.jit(fn)
     dtensor = thunder.jit(fn)

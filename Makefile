@@ -83,8 +83,8 @@ bench: setup
 	$(RUN2) benchmarks/breakdown.py --rounds 150 --out benchmarks/results/breakdown
 
 lint: setup
-	$(VENV)/bin/ruff check thunder_dtensor thunder_dtensor_autoload.py tests examples scripts benchmarks
-	$(VENV)/bin/ruff format --check thunder_dtensor thunder_dtensor_autoload.py tests examples benchmarks
+	$(VENV)/bin/ruff check thunder_dtensor tests examples scripts benchmarks
+	$(VENV)/bin/ruff format --check thunder_dtensor tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -52,6 +52,11 @@ def _args() -> argparse.Namespace:
         help="which architectures check greedy generate(): one per family (default), all, none",
     )
     parser.add_argument("--max-new-tokens", type=int, default=3, help="generate()'s new tokens")
+    parser.add_argument(
+        "--no-train",
+        action="store_true",
+        help="check only generate(), on the architectures --generate picks (fills a table's generate column)",
+    )
     parser.add_argument("--out", type=pathlib.Path, help="write the table: .json for JSON rows, else markdown")
     parser.add_argument("--list", action="store_true", help="list the architectures (and why some are skipped)")
     parser.add_argument(
@@ -126,7 +131,9 @@ def main() -> int:
             if args.out:
                 _write(args.out, done, archs)
 
-    outcomes = run_zoo(archs, frontends, args.generate, max_new_tokens=args.max_new_tokens, report=report)
+    outcomes = run_zoo(
+        archs, frontends, args.generate, max_new_tokens=args.max_new_tokens, report=report, train=not args.no_train
+    )
     if rank0:
         table = format_table(outcomes, archs)
         print("\n" + table)

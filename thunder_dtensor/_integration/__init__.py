@@ -7,8 +7,9 @@ What is patched, and why:
 
 * torch >= 2.13 removed five named-tensor methods that thunder <= 0.2.6 lists for auto-registration, so
   ``import thunder`` fails. We add placeholders for the duration of the import only, then remove them
-  from ``torch.Tensor`` and from thunder's tables again (also those ``thunder_dtensor_autoload`` added
-  when thunder was imported first).
+  from ``torch.Tensor`` and from thunder's tables again. Nothing of the package runs in a process that does
+  not import it (there is no import hook): ``import thunder`` first fails there as it does without the package,
+  and a later ``import thunder_dtensor`` raises an ``ImportError`` naming the fix.
 * thunder 0.2.6 registers its own experimental DTensor dispatch wrappers when imported; we undo them
   (``_remove_thunder_experimental_dtensor_registrations``) and refresh ConstantFolding's inverted map.
 * thunder's core calls hooks of its own experimental DTensor path (proxy creation, prologue checks,
@@ -83,6 +84,7 @@ from thunder_dtensor._integration.bootstrap import (
     DISTRIBUTED_AVAILABLE,
     FUNCTION_APPLY_IS_BUILTIN,
     THUNDER_VERSION,
+    IMPORT_ORDER_FIX,
     TORCH_TESTED_RANGE,
     TORCH_VERSION,
     UNKNOWABLE_ON_FAKE_TENSORS,
@@ -325,6 +327,7 @@ __all__ = [
     "Shard",
     "Symbol",
     "THUNDER_VERSION",
+    "IMPORT_ORDER_FIX",
     "TORCH_TESTED_RANGE",
     "TORCH_VERSION",
     "TensorMeta",

@@ -36,15 +36,39 @@ DISTRIBUTED_AVAILABLE: bool = torch.distributed.is_available()
 
 from thunder_dtensor._integration.registry import IntegrationError  # noqa: E402
 
-import thunder_dtensor_autoload as _autoload  # noqa: E402
+#: the named-tensor methods lightning-thunder 0.2.x reads when it is imported (torch >= 2.13 has none of them)
+REMOVED_NAMED_TENSOR_METHODS = ("align_as", "align_to", "has_names", "refine_names", "rename")
+
+#: the one-line fix every import-order error names
+IMPORT_ORDER_FIX = "import thunder_dtensor before thunder (`import thunder_dtensor` as the first import of the program)"
+
+
+def named_tensor_placeholder(name: str, torch_version: str) -> Callable:
+    """What thunder finds for a removed named-tensor method while it imports: a function that raises if called."""
+
+    def removed(*args: Any, **kwargs: Any) -> Any:
+        raise AttributeError(f"torch.Tensor.{name} does not exist in torch {torch_version}")
+
+    removed.__name__ = name
+    removed.__qualname__ = f"Tensor.{name}"
+    return removed
+
+
+def python_function_apply(builtin: Any) -> Callable:
+    """A Python function for ``classmethod(...)`` that calls torch's C ``Function.apply`` (thunder keys by it)."""
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return builtin.__get__(None, cls)(*args, **kwargs)
+
+    return apply
 
 
 @contextlib.contextmanager
 def _named_tensor_shims() -> Iterator[dict[str, Callable]]:
     """Temporarily provide the named-tensor methods thunder 0.2.x references at import time."""
     missing = {
-        name: _autoload.named_tensor_placeholder(name, torch.__version__)
-        for name in _autoload.REMOVED_NAMED_TENSOR_METHODS
+        name: named_tensor_placeholder(name, torch.__version__)
+        for name in REMOVED_NAMED_TENSOR_METHODS
         if not hasattr(torch.Tensor, name)
     }
     for name, fn in missing.items():
@@ -94,7 +118,7 @@ def _function_apply_shim() -> Iterator[None]:
         yield
         return
     builtin = vars(function)["apply"]
-    apply = _autoload.python_function_apply(builtin)
+    apply = python_function_apply(builtin)
     function.apply = classmethod(apply)
     try:
         yield
@@ -115,22 +139,23 @@ def _restore_function_apply(builtin: Any, apply: Callable) -> None:
 def _import_thunder() -> types.ModuleType:
     """thunder, imported with the named-tensor placeholders it needs on torch >= 2.13, then cleaned up.
 
-    thunder may have been imported before this package (see ``thunder_dtensor_autoload``): the
-    placeholders it was given then are removed here too.
+    A thunder imported before this package (where this torch lets it) is used as it is; one whose import failed
+    before (torch >= 2.13 without this package) leaves half its modules behind and cannot be imported again in
+    this process: that raises an ``ImportError`` naming the fix.
     """
-    placeholders = dict(_autoload.installed_placeholders)
-    _autoload.installed_placeholders.clear()
     if "thunder" in sys.modules and hasattr(sys.modules["thunder"], "jit"):
-        _drop_named_tensor_placeholders(placeholders)
-        if _autoload.installed_function_apply:
-            _restore_function_apply(*_autoload.installed_function_apply)
-            _autoload.installed_function_apply.clear()
         return sys.modules["thunder"]
+    leftovers = [name for name in sys.modules if name.startswith("thunder.")]
+    if leftovers:
+        raise ImportError(
+            f"lightning-thunder failed to import earlier in this process ({len(leftovers)} of its modules are left "
+            f"half-initialised), as it does by itself on torch {torch.__version__}, which removed the named-tensor "
+            f"methods thunder 0.2.x reads when it is imported: in a new process, {IMPORT_ORDER_FIX}"
+        )
     with _named_tensor_shims() as shims, _function_apply_shim():
         import thunder
 
-        placeholders.update(shims)
-        _drop_named_tensor_placeholders(placeholders)
+        _drop_named_tensor_placeholders(shims)
     return thunder
 
 

@@ -803,9 +803,11 @@ def run_arch(
     tol: Tolerances = Tolerances(),
     max_new_tokens: int = 3,
     report: Callable[[Outcome], None] | None = None,
+    train: bool = True,
 ) -> list[Outcome]:
     """All checks of one architecture (see the module's docstring), its tiny model saved at ``path``; every rank
-    calls this with the same arguments. Returns the rows, in order; ``report`` sees each as it is made."""
+    calls this with the same arguments. Returns the rows, in order; ``report`` sees each as it is made.
+    ``train=False`` checks only ``generate()`` (to fill a table's generate column without retraining)."""
     outcomes: list[Outcome] = []
 
     def add(outcome: Outcome) -> Outcome:
@@ -832,7 +834,7 @@ def run_arch(
         add(_fill(Outcome(model_type, "-", "train", "one-process fails", seconds=time.perf_counter() - started), error))
         return outcomes
 
-    checks = ["train"] + (["generate"] if generate else [])
+    checks = (["train"] if train else []) + (["generate"] if generate else [])
 
     def run(check: str, frontend: str, tensor_parallel: bool) -> TrainStats | None:
         model = load(path, tensor_parallel)
@@ -885,9 +887,11 @@ def run_zoo(
     tol: Tolerances = Tolerances(),
     max_new_tokens: int = 3,
     report: Callable[[Outcome], None] | None = None,
+    train: bool = True,
 ) -> list[Outcome]:
     """:func:`run_arch` for each runnable architecture (``generate``: "family" for one per family, "all" or
-    "none"); skipped ones get a row saying why. Every rank calls this with the same arguments."""
+    "none"; ``train=False``: only those that check ``generate()``, and only that); skipped ones get a row saying
+    why. Every rank calls this with the same arguments."""
     with_generate = {a.model_type for a in archs} if generate == "all" else set()
     if generate == "family":
         with_generate = generation_archs(archs)
@@ -902,9 +906,11 @@ def run_zoo(
                 if report is not None:
                     report(outcome)
                 continue
+            if not train and arch.model_type not in with_generate:
+                continue
             path = os.path.join(where[0], arch.model_type)
             outcomes += run_arch(
-                arch.model_type, path, frontends, arch.model_type in with_generate, tol, max_new_tokens, report
+                arch.model_type, path, frontends, arch.model_type in with_generate, tol, max_new_tokens, report, train
             )
             dist.barrier()
             if dist.get_rank() == 0:

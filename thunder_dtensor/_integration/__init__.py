@@ -83,8 +83,8 @@ from thunder_dtensor._integration.autocast import (
 from thunder_dtensor._integration.bootstrap import (
     DISTRIBUTED_AVAILABLE,
     FUNCTION_APPLY_IS_BUILTIN,
-    THUNDER_VERSION,
     IMPORT_ORDER_FIX,
+    THUNDER_VERSION,
     TORCH_TESTED_RANGE,
     TORCH_VERSION,
     UNKNOWABLE_ON_FAKE_TENSORS,

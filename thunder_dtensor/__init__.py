@@ -8,9 +8,10 @@ dtensor prims on this package's executor, forward and backward.
 from __future__ import annotations
 
 from thunder_dtensor import _integration
-from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, thunder
+from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, SCOPED_FIXES, fixes_everywhere, thunder
 
-__all__ = ["DISTRIBUTED_AVAILABLE", "thunder"]
+# fixes of thunder that act within DTensor programs unless switched on everywhere (``with fixes_everywhere(...)``)
+__all__ = ["DISTRIBUTED_AVAILABLE", "SCOPED_FIXES", "fixes_everywhere", "thunder"]
 _integration.fix_complex_gradients()  # thunder 0.2.6's grad rules ignore complex conjugation (RoPE)
 _integration.call_custom_autograd_functions_with_builtin_apply()  # torch >= 2.14: autograd.Function.apply is C
 _integration.tolerate_sequences_that_cannot_be_iterated()  # a Sequence's own __init__ (transformers' configs)
@@ -25,7 +26,10 @@ _integration.answer_requires_grad_of_computed_values()  # x.view(-1).requires_gr
 _integration.keep_complex_tensors_out_of_torch_compile_regions()  # dynamo cannot take a complex view as input
 
 if DISTRIBUTED_AVAILABLE:
-    from thunder_dtensor import guards, ops  # noqa: F401
+    from thunder_dtensor import dispatch, guards, ops
+
+    # dispatch on the proxy: calls with a DTensor argument reach the dispatch table, thunder's tables stay thunder's
+    _integration.route_dtensor_calls(dispatch.may_route, dispatch.function_route, dispatch.method_route)
     from thunder_dtensor.dispatch import register_function_for_dtensor, register_method_for_dtensor
     from thunder_dtensor.errors import DTensorOpError
     from thunder_dtensor.executor import dtensor_ex
@@ -74,9 +78,9 @@ if DISTRIBUTED_AVAILABLE:
     # a cotangent placed otherwise than traced gets the backward traced for its placements, as eager's backward
     _integration.wrap_compiled_backwards(guards.backward_for_cotangent_placements)
 
-    from thunder_dtensor.thunderfx import dtensor_node_support, plain_node_support
+    from thunder_dtensor.thunderfx import dtensor_node_support, is_dtensor_call, is_dtensor_graph, plain_node_support
 
-    _integration.install_thunderfx_support(dtensor_node_support, plain_node_support)
+    _integration.install_thunderfx_support(dtensor_node_support, plain_node_support, is_dtensor_graph, is_dtensor_call)
 
     from thunder_dtensor import autocast
 

@@ -6,7 +6,7 @@ from thunder_dtensor import _integration as ti
 
 __all__ = ["dtensor_ex"]
 
-#: Registered as an "always" executor so dtensor prims run whatever executors the user passes to jit.
+#: joins the executors of a program that traces a DTensor (whatever executors the user passes to jit), and of
+#: no other program
 dtensor_ex = ti.OperatorExecutor("dtensor")
-ti.register_executor(dtensor_ex)
-ti.add_always_executor(dtensor_ex)
+ti.add_dtensor_executor(dtensor_ex)

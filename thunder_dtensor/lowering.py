@@ -52,15 +52,13 @@ __all__ = ["LOWERING_OPTION", "lower_dtensor_program", "lowering_enabled", "dten
 #: the thunder compile option (``thunder.jit(fn, dtensor_lowering=False)``) that keeps the eager-prim path
 LOWERING_OPTION = "dtensor_lowering"
 
-#: local ATen ops (one ATen call each); an always executor, so they run whatever executors the user passes
+#: local ATen ops (one ATen call each); a dtensor executor, so they run whatever executors the user passes
 dtensor_local_ex = ti.OperatorExecutor("dtensor_local")
-ti.register_executor(dtensor_local_ex)
-ti.add_always_executor(dtensor_local_ex)
+ti.add_dtensor_executor(dtensor_local_ex)
 
 #: collectives and the DTensor boundary (wrap / unwrap); no fusion executor has these symbols
 dtensor_comm_ex = ti.OperatorExecutor("dtensor_comm")
-ti.register_executor(dtensor_comm_ex)
-ti.add_always_executor(dtensor_comm_ex)
+ti.add_dtensor_executor(dtensor_comm_ex)
 
 
 class NotLowerable(Exception):

@@ -36,6 +36,7 @@ class DTensorProxy(ti.TensorProxy):
             lambda: f"DTensorProxy shape {tuple(self._shape)} does not match its spec's global shape {meta.shape}",
         )
         self.meta: DTensorMeta = meta
+        ti.use_dtensor_executors()  # the program being compiled traces a DTensor: its prims need our executors
         #: made by autodiff as the zero cotangent of a value nothing flows back to (ops/factories.py)
         self.is_zero_cotangent: bool = False
 

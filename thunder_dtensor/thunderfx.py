@@ -17,10 +17,12 @@ graph around the attention.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
+from thunder_dtensor.dispatch import METHOD_TABLE, dtensor_callable_for
 from thunder_dtensor.proxy import proxy_for_value
 from thunder_dtensor.sdpa_backends import is_sdpa_kernel_node
 from thunder_dtensor.signature import SignatureCache, Uncacheable, ambient_state, describe_value
@@ -28,7 +30,10 @@ from thunder_dtensor.spec import as_traced_placement
 
 import torch
 
-__all__ = ["dtensor_node_support", "plain_node_support"]
+__all__ = ["dtensor_node_support", "is_dtensor_call", "is_dtensor_graph", "plain_node_support"]
+
+#: graph -> whether a node of it touches a DTensor or a device mesh (asked once per node by the splitter)
+_DTENSOR_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _touches_dtensor(node: torch.fx.Node) -> bool:
@@ -37,16 +42,37 @@ def _touches_dtensor(node: torch.fx.Node) -> bool:
     return any(isinstance(v, ti.DTensor | ti.DeviceMesh) or ti.is_opaque_script_object(v) for v in leaves)
 
 
+def is_dtensor_call(fn: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a thunderfx-compiled ``fn`` runs a DTensor program: a DTensor among its arguments, or
+    ``fn`` a module with DTensor parameters or buffers (FSDP2, tensor parallelism)."""
+    leaves, _ = ti.torch_tree_flatten((args, kwargs))
+    if any(isinstance(v, ti.DTensor) for v in leaves):
+        return True
+    if isinstance(fn, torch.nn.Module):
+        return any(isinstance(t, ti.DTensor) for t in (*fn.parameters(), *fn.buffers()))
+    return False
+
+
+def is_dtensor_graph(graph: torch.fx.Graph) -> bool:
+    """Whether a dynamo graph has a DTensor or a device mesh in it: thunderfx's splitter and compiler treat
+    other graphs exactly as thunder does."""
+    known = _DTENSOR_GRAPHS.get(graph)
+    if known is None:
+        known = _DTENSOR_GRAPHS[graph] = any(_touches_dtensor(node) for node in graph.nodes)
+    return known
+
+
 def _thunder_callable(node: torch.fx.Node) -> Callable | None:
-    """What thunder would call for ``node``: its mapped symbol (our dispatcher), or a builtin operator."""
-    fn_map = ti.torch_to_thunder_map()
+    """What thunder would call for ``node`` on DTensors: its route in the dispatch table, or a builtin operator
+    (whose proxy methods route it)."""
     if node.op == "call_function":
-        if node.target in fn_map:
-            return fn_map[node.target]
+        symbol = dtensor_callable_for(node.target)
+        if symbol is not None:
+            return symbol
         return node.target if inspect.isbuiltin(node.target) else None
     if node.op == "call_method":
-        method = getattr(ti.DTensor, node.target, None)
-        return fn_map[method] if method in fn_map else ti.thunder_method(node.target)
+        route = METHOD_TABLE.get(node.target)
+        return None if route is None else route.dtensor_symbol
     return None
 
 

@@ -453,3 +453,21 @@ def test_from_local_to_local_and_full_tensor_keywords_are_honoured():
         _compare(fn, make_inputs, what)
     with pytest.raises(DTensorOpError, match="DTensor.from_local: no device_mesh given"):
         thunder.jit(lambda t: DTensor.from_local(t, None, [Replicate()]))(mine)
+
+
+def test_containers_of_dtensors_as_program_inputs_are_routed():
+    """A list or dict of DTensors passed to the program reaches the dtensor ops (the interpreter hands the routed
+    lookaside the caller's DTensors, not proxies): eager's values and placements."""
+    mesh = mesh_1d()
+    full = make_full((4, 6), seed=3)
+    a = distribute_tensor(full, mesh, [Shard(0)])
+    b = distribute_tensor(full * 2, mesh, [Replicate()])
+
+    def fn(pair, named):
+        return torch.cat(pair, dim=-1) * named["scale"]
+
+    expected = fn([a, a], {"scale": b.sum()})
+    out = thunder.jit(fn)([a, a], {"scale": b.sum()})
+    assert out.placements == expected.placements
+    torch.testing.assert_close(out.full_tensor(), expected.full_tensor())
+    torch.testing.assert_close(out.full_tensor(), torch.cat([full, full], dim=-1) * (full * 2).sum())

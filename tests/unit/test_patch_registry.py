@@ -111,3 +111,94 @@ def test_table_entries_and_their_checks():
     assert target.table == {}
     assert registry.expects_absent(1) == "no entry"
     assert registry.expects_identical(torch)(torch) is None and registry.expects_identical(torch)(thunder)
+
+
+def test_undo_is_all_or_nothing_and_names_the_installer_to_undo_first():
+    target = _layout_a_release_might_change()
+    first, second = target.first, target.second
+
+    @registry.installer("speedup", "a test patch")
+    def install_both() -> None:
+        registry.patch(target, "first", lambda trace, executors_list: trace, expects=registry.expects_identical(first))
+        registry.patch(
+            target, "second", lambda trace, executors_list: trace, expects=registry.expects_identical(second)
+        )
+
+    @registry.installer("speedup", "a test patch over another")
+    def wrap_second() -> None:
+        registry.patch(target, "second", lambda trace, executors_list: trace, expects=lambda original: None)
+
+    install_both()
+    wrap_second()
+    both = next(p.owner for p in registry.installed() if p.target is target)
+    over = [p.owner for p in registry.installed() if p.target is target][-1]
+    patched_first = target.first
+    with pytest.raises(registry.IntegrationError, match=rf"{both} cannot be undone: .*\.second .*by {over}"):
+        registry.undo(both)
+    assert target.first is patched_first  # nothing was restored
+    registry.undo(over)
+    registry.undo(both)
+    assert target.first is first and target.second is second
+    assert not [p for p in registry.installed() if p.target is target]
+
+
+def test_an_installer_called_again_with_other_arguments_raises():
+    target = types.SimpleNamespace(slot=len)
+
+    @registry.installer("speedup", "a test patch")
+    def install(value: object) -> None:
+        registry.patch(target, "slot", value, expects=registry.expects_identical(len))
+
+    install(abs)
+    try:
+        install(abs)  # the same arguments: installed already, nothing to do
+        with pytest.raises(registry.IntegrationError, match="installed already, with other arguments"):
+            install(max)
+        assert target.slot is abs
+    finally:
+        registry.undo(next(p.owner for p in registry.installed() if p.target is target))
+    assert target.slot is len
+
+
+def test_undo_puts_back_what_the_class_itself_held():
+    """A classmethod is restored as the classmethod object (``getattr`` gives a new bound method each time)."""
+
+    class Holder:
+        @classmethod
+        def make(cls) -> str:
+            return cls.__name__
+
+    class Child(Holder):
+        pass
+
+    held = vars(Holder)["make"]
+
+    @registry.installer("speedup", "a test patch")
+    def install() -> None:
+        registry.patch(Holder, "make", classmethod(lambda cls: "patched"), expects=lambda original: None)
+        registry.patch(Child, "make", classmethod(lambda cls: "child"), expects=lambda original: None)
+
+    install()
+    assert Child.make() == "child" and Holder.make() == "patched"
+    registry.undo(next(p.owner for p in registry.installed() if p.target is Holder))
+    assert vars(Holder)["make"] is held and "make" not in vars(Child) and Child.make() == "Child"
+
+
+def test_layout_checks_name_what_they_expect_and_errors_name_the_declared_versions():
+    target = _layout_a_release_might_change()
+    name = f"thunder.common.{target.first.__qualname__}"
+    check = registry.expects_qualified(name, "trace")
+    assert check(target.first) is None
+    assert check(len) == f"{name}(trace, ...)"
+    assert registry.expects_qualified(name, "executors")(target.first) == f"{name}(executors, ...)"
+
+    @registry.installer("dtensor", "a test patch")
+    def install_over_another_function() -> None:
+        registry.patch(target, "first", len, expects=registry.expects_qualified("thunder.common.other_hook"))
+
+    with pytest.raises(registry.IntegrationError) as error:
+        install_over_another_function()
+    message = str(error.value)
+    assert "expected thunder.common.other_hook, found thunder.common" in message
+    assert registry.declared_versions() in message and "lightning-thunder 0.2.6" in message
+    assert not hasattr(registry, "expects_any")  # no patch of the package accepts whatever a slot holds

@@ -10,16 +10,18 @@ What is patched, and why:
   from ``torch.Tensor`` and from thunder's tables again. Nothing of the package runs in a process that does
   not import it (there is no import hook): ``import thunder`` first fails there as it does without the package,
   and a later ``import thunder_dtensor`` raises an ``ImportError`` naming the fix.
-* thunder 0.2.6 registers its own experimental DTensor dispatch wrappers when imported; we undo them
-  (``_remove_thunder_experimental_dtensor_registrations``) and refresh ConstantFolding's inverted map.
+* thunder 0.2.6 registers its own experimental DTensor dispatch wrappers when imported; we leave them (and
+  every other entry of thunder's tables) as they are: DTensor calls are routed before thunder's tables are
+  read (``route_dtensor_calls``), and ``thunder_symbol_of`` reads the single-device symbol inside a wrapper.
 * thunder's core calls hooks of its own experimental DTensor path (proxy creation, prologue checks,
   backward cotangent checks). We point those hooks at this package instead (``install_thunder_hooks``),
   and give thunder's autodiff DTensor-aware ``add`` / ``zeros`` for cotangent sums and zero cotangents.
 * ``prims.get_grad``'s meta builds DTensor cotangents with our spec rule (``set_cotangent_proxy_factory``).
 * The interpreter's ``isinstance`` lookaside answers True for a DTensor's proxy against ``DTensor``
   (``make_isinstance_see_dtensor_proxies``), so tensor-parallel hooks take their DTensor branches.
-* New torch functions / Tensor methods are added to thunder's map, method table and interpreter lookasides
-  (``register_torch_function``, ``register_method``).
+* A torch call or Tensor method with a DTensorProxy argument is routed to this package's dispatch table by one
+  interpreter lookaside and one method lookup (``route_dtensor_calls``); thunder's tables are not changed. The
+  dtensor executors join a program's executors only when it traces a DTensor (``use_dtensor_executors``).
 * Placement constructors and device mesh queries are called whole by the interpreter (``make_placements_opaque``).
 * DTensor decides alike on every rank: ``Partial`` placements hash by value, not by a per-process string hash
   or an object's address, and the redistribution planner iterates its reduce ops sorted, so strategies and
@@ -144,6 +146,7 @@ from thunder_dtensor._integration.bootstrap import (
     size_hint,
     spec_with_sizes,
     thunder,
+    thunder_symbol_of,
     torch_tree_flatten,
     torch_tree_unflatten,
     tracectx,
@@ -198,15 +201,18 @@ from thunder_dtensor._integration.registry import (
     OPCODE_HANDLERS,
     PATCH_KINDS,
     PATCH_SWITCHES,
+    SCOPED_FIXES,
     TENSOR_METHODS,
     IntegrationError,
     Patch,
+    acts_everywhere,
     expects_absent,
     expects_absent_or,
-    expects_any,
     expects_function,
     expects_identical,
     expects_instance,
+    expects_qualified,
+    fixes_everywhere,
     installed,
     installer,
     installers,
@@ -214,6 +220,7 @@ from thunder_dtensor._integration.registry import (
     patch_kind_enabled,
     slots_of,
     undo,
+    undo_all,
 )
 from thunder_dtensor._integration.speedups import (
     bind_symbols_with_cached_signatures,
@@ -247,6 +254,7 @@ from thunder_dtensor._integration.thunder_fixes import (
 )
 from thunder_dtensor._integration.thunder_hooks import (
     accept_dtensor_proxies,
+    add_dtensor_executor,
     bind_unpack_dtensor_spec,
     bind_unpack_local_tensor,
     call_proxy_conversions_whole,
@@ -256,6 +264,8 @@ from thunder_dtensor._integration.thunder_hooks import (
     install_compiled_program_hook,
     install_thunder_hooks,
     is_check_tensor_shape_and_metadata,
+    is_dtensor_program,
+    is_unknown_torch_function,
     is_unpack_cotangents,
     keep_dtensors_in_alias_updates,
     local_shards_alias,
@@ -266,9 +276,7 @@ from thunder_dtensor._integration.thunder_hooks import (
     may_return_views,
     note_dtensor_op_traced,
     read_root_module_state_from_user_module,
-    register_method,
-    register_torch_function,
-    route_unknown_torch_functions,
+    route_dtensor_calls,
     set_cotangent_proxy_factory,
     static_number,
     thunder_method,
@@ -276,6 +284,7 @@ from thunder_dtensor._integration.thunder_hooks import (
     torch_to_thunder_map,
     torchsymbol,
     traced_dtensor_ops,
+    use_dtensor_executors,
     using_symbolic_values,
     wrap_compiled_backwards,
 )
@@ -338,6 +347,7 @@ __all__ = [
     "UNTESTED_TORCH_VARIABLE",
     "accept_dtensor_proxies",
     "add_always_executor",
+    "thunder_symbol_of",
     "below_autograd",
     "bind_symbols_with_cached_signatures",
     "bind_unpack_dtensor_spec",
@@ -359,7 +369,6 @@ __all__ = [
     "dtypes",
     "expects_absent",
     "expects_absent_or",
-    "expects_any",
     "expects_function",
     "expects_identical",
     "expects_instance",
@@ -443,10 +452,12 @@ __all__ = [
     "register_executor",
     "register_grad",
     "register_lookaside",
-    "register_method",
-    "register_torch_function",
+    "add_dtensor_executor",
+    "is_unknown_torch_function",
+    "route_dtensor_calls",
+    "is_dtensor_program",
+    "use_dtensor_executors",
     "rng_state",
-    "route_unknown_torch_functions",
     "run_cpu_ops_with_torch_kernels",
     "run_interpreter_helpers_directly",
     "register_gradient_hooks_on_real_tensors",
@@ -482,6 +493,11 @@ __all__ = [
     "tree_map",
     "tree_unflatten",
     "undo",
+    "undo_all",
+    "SCOPED_FIXES",
+    "acts_everywhere",
+    "fixes_everywhere",
+    "expects_qualified",
     "using_symbolic_values",
     "variableify",
     "writes_into_an_input",

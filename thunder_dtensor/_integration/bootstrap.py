@@ -184,49 +184,15 @@ def _is_experimental_dtensor_symbol(fn: Any) -> bool:
     return str(getattr(fn, "id", "")).startswith("dtensor.")
 
 
-def _remove_thunder_experimental_dtensor_registrations() -> None:
-    """Undo what thunder's experimental DTensor path put in the torch-to-thunder map and method table.
-
-    thunder 0.2.6 registers, when it is imported, wrappers for about ten torch functions that send DTensor
-    calls to its own prims. We restore thunder's single-device symbols there (this package registers its
-    own dispatchers afterwards) and drop its DTensor-only entries (``DTensor.from_local`` & co.).
-    """
-    from thunder.core import jit_ext
-    from thunder.torch.langctx import _method_name_to_fn_map
-
-    fn_map = ltorch._torch_to_thunder_function_map
-    wrapped = [torch_fn for torch_fn, impl in fn_map.items() if _experimental_single_device_symbol(impl) is not None]
-    if not wrapped:  # thunder 0.2.6 wraps torch.add & co.; none found: its layout changed (or the path went)
-        raise IntegrationError(
-            "found none of thunder's experimental DTensor wrappers (dispatch_to_impl closures) in its torch-to-thunder "
-            "map: update thunder_dtensor/_integration/bootstrap.py for this thunder release"
-        )
-    for torch_fn, impl in list(fn_map.items()):
-        single = _experimental_single_device_symbol(impl)
-        if single is not None:
-            fn_map[torch_fn] = single
-            jit_ext._general_jit_lookaside_map[torch_fn] = jit_ext.ensure_recursive_proxies(
-                jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(single))
-            )
-        elif _is_experimental_dtensor_symbol(impl):
-            del fn_map[torch_fn]
-            jit_ext._general_jit_lookaside_map.pop(torch_fn, None)
-    for name, impl in list(_method_name_to_fn_map.items()):
-        single = _experimental_single_device_symbol(impl)
-        if single is not None:
-            _method_name_to_fn_map[name] = single
-
-
-def _refresh_constant_folding_inverse_map() -> None:
-    """ConstantFolding inverts the torch-to-thunder map once, at its import; it must hold thunder's symbols.
-
-    Called after the experimental entries are undone and before this package adds its dispatchers.
-    """
-    import thunder.transforms.constant_folding as constant_folding
-
-    inverse = constant_folding._thunder_to_torch_function_map
-    inverse.clear()
-    inverse.update({v: k for k, v in ltorch._torch_to_thunder_function_map.items()})
+def thunder_symbol_of(entry: Any) -> Any:
+    """thunder's single-device symbol for an entry of its torch-to-thunder map or Tensor-method table: the entry
+    itself, or the symbol inside one of thunder 0.2.6's experimental DTensor wrappers (which it registers for
+    about ten functions at import, and which this package leaves in place); None for an entry of that
+    experimental path that exists for DTensors only (``DTensor.from_local`` & co., routed by this package)."""
+    single = _experimental_single_device_symbol(entry)
+    if single is not None:
+        return single
+    return None if _is_experimental_dtensor_symbol(entry) else entry
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,10 +212,6 @@ from thunder.core.trace import TraceCtx, from_trace, get_tracectx, tracectx  # n
 from thunder.core.transforms import get_grad, put_grad, put_grads, register_grad  # noqa: E402
 from thunder.extend import OperatorExecutor, add_always_executor, register_executor  # noqa: E402
 
-if DISTRIBUTED_AVAILABLE:
-    _remove_thunder_experimental_dtensor_registrations()
-_refresh_constant_folding_inverse_map()
-
 __all__ = [
     "AnyProxy",
     "BoundSymbol",
@@ -265,6 +227,7 @@ __all__ = [
     "TensorProxy",
     "TraceCtx",
     "add_always_executor",
+    "thunder_symbol_of",
     "check",
     "devices",
     "dtypes",

@@ -8,21 +8,23 @@ states what it expects to replace (:func:`expects_function`, :func:`expects_abse
 torch changed that slot, installing fails loudly here, naming the slot, instead of patching something else
 silently.
 
-An installer runs once per process (its qualified name is its key; a second call returns at once); ``thunder-fix`` and
-``speedup`` installers do nothing when their environment switch is ``0`` (:data:`PATCH_SWITCHES`).
-:func:`installed` lists what is patched; :func:`undo` puts an installer's slots back (tests, and a failed
-installer's partial work).
+An installer runs once per process (its qualified name is its key; a second call with the same arguments returns
+at once, one with other arguments raises); ``thunder-fix`` and ``speedup`` installers do nothing when their
+environment switch is ``0`` (:data:`PATCH_SWITCHES`). :func:`installed` lists what is patched; :func:`undo` puts
+an installer's slots back, all or none (tests, and a failed installer's partial work); :func:`undo_all` every
+installer's, latest first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
 import inspect
 import os
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 #: the kinds of patches; docs/architecture.md lists the non-``dtensor`` ones with their plain-thunder reproducers
@@ -31,6 +33,46 @@ PATCH_KINDS = ("dtensor", "thunder-fix", "speedup")
 #: the patches to thunder that are not about DTensors, by kind, and the environment variable that turns a kind
 #: off ("0"); docs/architecture.md, "Thunder fixes that are not about DTensors", lists each with its reproducer
 PATCH_SWITCHES = {"thunder-fix": "THUNDER_DTENSOR_THUNDER_FIXES", "speedup": "THUNDER_DTENSOR_SPEEDUPS"}
+
+
+#: fixes to thunder that act within DTensor programs only unless switched on everywhere (by name); the
+#: environment variable's comma-separated names (or ``all``) are the process's default
+SCOPED_FIXES = {
+    "thunderfx_graphs": "thunderfx's splitter and compiler as this package runs them (each graph compiled to "
+    "Python before thunder.jit sees it, node decisions cached by call signature, complex views and sdpa_kernel "
+    "kept in thunder's graph)",
+    "alias_group_order": "thunder's alias updates iterate each alias group in the order of its proxies' names",
+}
+SCOPED_FIXES_VARIABLE = "THUNDER_DTENSOR_FIXES_EVERYWHERE"
+_everywhere: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "thunder_dtensor_everywhere", default=None
+)
+
+
+def _default_everywhere() -> frozenset[str]:
+    names = {n.strip() for n in os.environ.get(SCOPED_FIXES_VARIABLE, "").split(",") if n.strip()}
+    return frozenset(SCOPED_FIXES) if "all" in names else frozenset(names)
+
+
+def acts_everywhere(name: str) -> bool:
+    """Whether the scoped fix ``name`` acts on every program (else only within DTensor programs)."""
+    chosen = _everywhere.get()
+    return name in (chosen if chosen is not None else _default_everywhere())
+
+
+@contextlib.contextmanager
+def fixes_everywhere(*names: str) -> Iterator[None]:
+    """Within the block, the scoped fixes ``names`` (:data:`SCOPED_FIXES`; ``"all"``) act on plain programs too."""
+    unknown = set(names) - set(SCOPED_FIXES) - {"all"}
+    if unknown:
+        raise ValueError(f"unknown fixes {sorted(unknown)}; the scoped fixes are {sorted(SCOPED_FIXES)}")
+    chosen = frozenset(SCOPED_FIXES) if "all" in names else frozenset(names)
+    current = _everywhere.get()
+    token = _everywhere.set((current if current is not None else _default_everywhere()) | chosen)
+    try:
+        yield
+    finally:
+        _everywhere.reset(token)
 
 
 def patch_kind_enabled(kind: str) -> bool:
@@ -46,6 +88,7 @@ OPCODE_HANDLERS = "thunder.core.interpreter._default_opcode_handler_map"
 GRAD_RULES = "thunder.core.transforms._grad_fn_map"
 BACKWARD_IMPLS = "thunder.core.transforms.backward_impls"
 TENSOR_METHODS = "thunder.torch.langctx._method_name_to_fn_map"
+EXECUTORS = "thunder.extend._executor_map"
 
 
 class IntegrationError(RuntimeError):
@@ -88,6 +131,7 @@ class _Installer:
     name: str
     kind: str
     reason: str
+    arguments: tuple = ()  # what the run that installed it was called with (ids of the objects, in order)
 
 
 _PATCHES: list[Patch] = []
@@ -107,9 +151,18 @@ def installer(kind: str, reason: str) -> Callable[[Callable[..., None]], Callabl
 
         @functools.wraps(fn)
         def install(*args: Any, **kwargs: Any) -> None:
-            if record.name in _DONE or not patch_kind_enabled(kind):
+            arguments = _identities(args, kwargs)
+            done = _DONE.get(record.name)
+            if done is not None:
+                if done.arguments != arguments:
+                    raise IntegrationError(
+                        f"{record.name} is installed already, with other arguments: undo({record.name!r}) first"
+                    )
                 return
-            token = _CURRENT.set(record)
+            if not patch_kind_enabled(kind):
+                return
+            run = dataclasses.replace(record, arguments=arguments)
+            token = _CURRENT.set(run)
             try:
                 fn(*args, **kwargs)
             except BaseException:
@@ -117,12 +170,25 @@ def installer(kind: str, reason: str) -> Callable[[Callable[..., None]], Callabl
                 raise
             finally:
                 _CURRENT.reset(token)
-            _DONE[record.name] = record
+            _DONE[record.name] = run
 
         install.patch_kind = kind  # type: ignore[attr-defined]
         return install
 
     return decorate
+
+
+def _identities(args: tuple, kwargs: dict) -> tuple:
+    """What an installer was called with, by identity (its arguments are functions and classes)."""
+    return tuple(id(a) for a in args) + tuple((k, id(v)) for k, v in sorted(kwargs.items()))
+
+
+def declared_versions() -> str:
+    """The releases the package declares (pyproject.toml), for error messages."""
+    from thunder_dtensor._integration.bootstrap import TORCH_TESTED_RANGE
+
+    low, high = TORCH_TESTED_RANGE
+    return f"lightning-thunder 0.2.6 to 0.2.x and torch {low} to {high} (excluded)"
 
 
 def patch(
@@ -141,12 +207,14 @@ def patch(
 
     ``expects(original)`` returns None when the slot holds what this patch was written against, else what it
     expected (see the ``expects_*`` helpers): then :class:`IntegrationError` is raised and nothing is changed.
-    ``reason`` and ``kind`` default to the installer's; ``frozen``: the target is a frozen dataclass.
+    ``reason`` and ``kind`` default to the installer's; ``frozen``: the target is a frozen dataclass. What was
+    there is returned as reading it gives it (a bound method, an inherited attribute); undoing puts back what the
+    target itself held.
     """
     current = _CURRENT.get()
     if current is None:
         raise RuntimeError("patch() is called inside an @installer function only")
-    original = target.get(slot, _ABSENT) if table else getattr(target, slot, _ABSENT)
+    original = target.get(slot, _ABSENT) if table else _own_attribute(target, slot)
     record = Patch(
         current.name,
         kind or current.kind,
@@ -159,15 +227,27 @@ def patch(
         original,
         None,
     )
-    problem = expects(original)
+    seen = target.get(slot, _ABSENT) if table else getattr(target, slot, _ABSENT)  # what a caller would call
+    problem = expects(seen)
     if problem is not None:
         raise IntegrationError(
-            f"{record.where}: expected {problem}, found {_describe(original)}; thunder_dtensor's {current.name} was "
-            "written for lightning-thunder 0.2.6 and torch 2.13: update thunder_dtensor/_integration for this release"
+            f"{record.where}: expected {problem}, found {_describe(seen)}; thunder_dtensor's {current.name} was "
+            f"written for {declared_versions()}: update thunder_dtensor/_integration for this release"
         )
     _set(record, replacement)
     _PATCHES.append(dataclasses.replace(record, replacement=replacement))
-    return None if original is _ABSENT else original
+    return None if seen is _ABSENT else seen
+
+
+def add_executor(executor: Any, *, always: bool = False) -> None:
+    """Register ``executor`` with thunder (``get_executor(name)``), and with ``always`` among its always executors
+    (every program's), as patches: undoing them takes it out again."""
+    import thunder.extend as extend
+
+    patch(extend._executor_map, executor.name, executor, table=EXECUTORS, expects=expects_absent)
+    if always:
+        always_executors = [*extend._always_executors, executor]
+        patch(extend, "_always_executors", always_executors, expects=expects_instance(list))
 
 
 def _set(p: Patch, value: Any) -> None:
@@ -194,15 +274,48 @@ def installers() -> dict[str, str]:
     return {name: record.kind for name, record in _DONE.items()}
 
 
+def _own_attribute(target: Any, slot: str) -> Any:
+    """What ``target`` itself holds under ``slot`` (a classmethod object, not the bound method ``getattr``
+    makes; ``_ABSENT`` for an inherited attribute, so that undoing deletes ours and the base's shows again)."""
+    try:
+        return vars(target).get(slot, _ABSENT)
+    except TypeError:  # no __dict__
+        return getattr(target, slot, _ABSENT)
+
+
+def _current(p: Patch) -> Any:
+    return p.target.get(p.slot, _ABSENT) if p.in_table else _own_attribute(p.target, p.slot)
+
+
 def undo(owner: str) -> None:
-    """Put back every slot ``owner`` patched (in reverse order), so that calling it again installs afresh."""
-    for p in reversed([p for p in _PATCHES if p.owner == owner]):
-        current = p.target.get(p.slot, _ABSENT) if p.in_table else getattr(p.target, p.slot, _ABSENT)
-        if current is not p.replacement:
-            raise IntegrationError(f"{p.where} was replaced again after {owner} patched it: it cannot be undone")
+    """Put back every slot ``owner`` patched (in reverse order), so that calling it again installs afresh.
+
+    All or nothing: when a slot holds something else than ``owner`` put there (a later installer wrapped it),
+    :class:`IntegrationError` names it and nothing is restored (undo that installer first, or :func:`undo_all`).
+    """
+    mine = [p for p in _PATCHES if p.owner == owner]
+    moved = [p.where for p in mine if _current(p) is not p.replacement]
+    if moved:
+        later = sorted({q.owner for q in _PATCHES if q.owner != owner and any(q.where == w for w in moved)})
+        raise IntegrationError(
+            f"{owner} cannot be undone: {', '.join(moved)} was replaced again after it patched it"
+            + (f" (by {', '.join(later)}: undo those first)" if later else "")
+        )
+    for p in reversed(mine):
         _set(p, p.original)
         _PATCHES.remove(p)
     _DONE.pop(owner, None)
+
+
+def undo_all() -> None:
+    """Undo every installer, the latest first (each finds its slots as it left them)."""
+    owners: list[str] = []
+    for p in _PATCHES:
+        if p.owner not in owners:
+            owners.append(p.owner)
+    for owner in reversed(owners):
+        undo(owner)
+    _DONE.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -259,6 +372,21 @@ def expects_function(module: str | tuple[str, ...], *parameters: str) -> Callabl
     return check
 
 
+def expects_qualified(name: str, *parameters: str) -> Callable[[Any], str | None]:
+    """The function whose ``module.qualname`` is ``name`` (its parameters beginning with ``parameters``): the one
+    function of the release this patch was written against, by name."""
+
+    def check(original: Any) -> str | None:
+        wanted = f"{name}({', '.join(parameters)}, ...)" if parameters else name
+        found = f"{getattr(original, '__module__', None)}.{getattr(original, '__qualname__', None)}"
+        if original is _ABSENT or found != name:
+            return wanted
+        names = _parameters(original)
+        return wanted if names is not None and names[: len(parameters)] != parameters else None
+
+    return check
+
+
 def expects_absent(original: Any) -> str | None:
     """Nothing is there yet (a new entry of one of thunder's tables)."""
     return None if original is _ABSENT else "no entry"
@@ -278,11 +406,6 @@ def expects_instance(*classes: type) -> Callable[[Any], str | None]:
 def expects_identical(expected: Any) -> Callable[[Any], str | None]:
     """That very object (a slot whose content was read elsewhere first)."""
     return lambda original: None if original is expected else _describe(expected)
-
-
-def expects_any(original: Any) -> str | None:
-    """Anything that is there (a slot thunder fills with values of no fixed layout)."""
-    return None if original is not _ABSENT else "an existing entry"
 
 
 def slots_of(patches: Iterable[Patch]) -> list[str]:

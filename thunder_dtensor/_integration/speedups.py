@@ -16,6 +16,7 @@ from thunder_dtensor._integration.registry import (
     INTERPRETER_LOOKASIDES,
     JIT_LOOKASIDES,
     OPCODE_HANDLERS,
+    add_executor,
     expects_absent,
     expects_function,
     expects_identical,
@@ -499,10 +500,10 @@ def _eager_kernels_executor() -> Any:
     import thunder.torch as ltorch
     from thunder.core.proxies import TensorProxy
     from thunder.core.transforms import get_grad, put_grad
-    from thunder.extend import OperatorExecutor, register_executor
+    from thunder.extend import OperatorExecutor
 
     ex = OperatorExecutor(EAGER_KERNELS_EXECUTOR_NAME)
-    register_executor(ex)
+    add_executor(ex)
     aten = torch.ops.aten
 
     def same(a: Any, *args: Any, **kwargs: Any) -> Any:

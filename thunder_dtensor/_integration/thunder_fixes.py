@@ -28,7 +28,6 @@ from thunder_dtensor._integration.bootstrap import (
     OperatorExecutor,
     Symbol,
     TensorProxy,
-    add_always_executor,
     custom_function_apply_lookaside,
     dtypes,
     get_grad,
@@ -37,7 +36,6 @@ from thunder_dtensor._integration.bootstrap import (
     put_grad,
     put_grads,
     pyval,
-    register_executor,
     register_grad,
     thunder,
 )
@@ -46,9 +44,10 @@ from thunder_dtensor._integration.registry import (
     GRAD_RULES,
     JIT_LOOKASIDES,
     TENSOR_METHODS,
+    add_executor,
     expects_absent,
-    expects_any,
     expects_function,
+    expects_qualified,
     installer,
     patch,
 )
@@ -68,9 +67,7 @@ def _conj(x: Any) -> Any:
     if not _is_complex(x):
         return x
     if isinstance(x, TensorProxy):
-        conj_physical = ltorch._torch_to_thunder_function_map[torch.conj_physical]
-        # this package routes the map entry through a DTensor dispatcher: call thunder's own symbol behind it
-        return getattr(conj_physical, "single_device_symbol", conj_physical)(x)
+        return ltorch._torch_to_thunder_function_map[torch.conj_physical](x)
     return pyval(x).conjugate()
 
 
@@ -201,6 +198,16 @@ _COMPLEX_DERIVATIVES = {
 }
 
 
+#: the grad rules of thunder 0.2.6 that fix_complex_gradients wraps, by prim (names in thunder.core.transforms)
+_THUNDER_GRAD_RULES = {
+    **{name: f"_{name.lower()}_prim_grad" for name in ("MUL", "DIV", "EXP", "LOG", "SIN", "COS", "TANH", "RSQRT")},
+    "RECIPROCAL": "reciprocal_joint_forward_backward_rule",
+    "POW": "_pow_grad",
+    "MATMUL": "_matmul_prim_grad",
+    "LINEAR": "_linear_prim_grad",
+}
+
+
 @installer("thunder-fix", "thunder's gradients of complex tensors take torch's convention (the conjugate)")
 def fix_complex_gradients() -> None:
     """Give thunder's autodiff torch's complex convention (see this section's header)."""
@@ -216,15 +223,17 @@ def fix_complex_gradients() -> None:
     rules[pids.LINEAR] = _complex_or_real_rule(_complex_linear_grad, grad_map[pids.LINEAR])
     rules[pids.REAL], rules[pids.IMAG] = _real_grad, _imag_grad
     for prim_id, rule in rules.items():
-        expects = expects_absent if prim_id in (pids.REAL, pids.IMAG) else expects_function("thunder")
+        if prim_id in (pids.REAL, pids.IMAG):
+            expects = expects_absent
+        else:
+            expects = expects_qualified(f"thunder.core.transforms.{_THUNDER_GRAD_RULES[prim_id.name]}")
         patch(grad_map, prim_id, rule, table=GRAD_RULES, expects=expects)
     for name in (*_HOLOMORPHIC_BACKWARD_IMPLS, *_COMPLEX_DERIVATIVES):
         prim_id = getattr(pids, name)
         backward = transforms.backward_impls[prim_id]
         conjugating = _conjugating_backward(backward, _COMPLEX_DERIVATIVES.get(name))
-        patch(
-            transforms.backward_impls, prim_id, conjugating, table=BACKWARD_IMPLS, expects=expects_function("thunder")
-        )
+        expects = expects_qualified("thunder.core.transforms.<lambda>")  # thunder's one-line derivative
+        patch(transforms.backward_impls, prim_id, conjugating, table=BACKWARD_IMPLS, expects=expects)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -296,7 +305,8 @@ def install_sdpa_kernel_support(*, context: type, set_backends: Callable, check_
             return interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
         return run_sdpa(*args, **kwargs)
 
-    patch(lookasides, sdpa, checked_sdpa, table=JIT_LOOKASIDES, expects=expects_any)
+    wrapper = expects_qualified("thunder.core.interpreter.interpreter_needs_wrap.<locals>.wrapping_wrapper")
+    patch(lookasides, sdpa, checked_sdpa, table=JIT_LOOKASIDES, expects=wrapper)  # thunder's own lookaside
 
 
 @installer("thunder-fix", "an autocast a jitted function is called under applies to that call only")
@@ -742,8 +752,7 @@ def run_torch_custom_ops() -> None:
     from thunder.torch.custom_op import _get_meta_function_from
 
     executor = OperatorExecutor("torch_custom_ops")
-    register_executor(executor)
-    add_always_executor(executor)
+    add_executor(executor, always=True)
     lookasides = jit_ext._general_jit_lookaside_map
     previous = lookasides[torch._ops.OpOverloadPacket.__call__]
 
@@ -869,4 +878,5 @@ def keep_complex_tensors_out_of_torch_compile_regions() -> None:
     def real_tensors_only(self: Any, bsym: Any) -> bool:
         return not _touches_complex_tensors(bsym) and can_execute(self, bsym)
 
-    patch(TorchCompileExecutor, "can_execute", real_tensors_only, expects=expects_function("thunder", "self", "bsym"))
+    inherited = expects_qualified("thunder.extend.Executor.can_execute", "self", "bsym")
+    patch(TorchCompileExecutor, "can_execute", real_tensors_only, expects=inherited)

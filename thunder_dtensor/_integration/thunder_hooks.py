@@ -29,11 +29,11 @@ from thunder_dtensor._integration.bootstrap import (
     pyval,
     thunder,
     tracectx,
-    tree_flatten,
     variableify,
 )
 from thunder_dtensor._integration.registry import (
     JIT_LOOKASIDES,
+    acts_everywhere,
     expects_absent,
     expects_function,
     expects_identical,
@@ -48,27 +48,6 @@ import torch
 # ---------------------------------------------------------------------------------------------------------
 # Hooks into thunder's core
 # ---------------------------------------------------------------------------------------------------------
-def register_torch_function(torch_fn: Callable, thunder_impl: Callable, *, method_name: str | None = None) -> None:
-    """Map ``torch_fn`` (and optionally a Tensor method) to ``thunder_impl`` for thunder's interpreter.
-
-    thunder copies its torch-to-thunder map into the interpreter's lookaside table when it is imported, so a
-    later registration has to update both.
-    """
-    from thunder.core import jit_ext
-    from thunder.torch.langctx import register_method
-
-    ltorch.register_function(torch_fn, thunder_impl)
-    lookaside = jit_ext.ensure_recursive_proxies(
-        jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(thunder_impl))
-    )
-    jit_ext._general_jit_lookaside_map[torch_fn] = lookaside
-    # Tensor methods on proxies resolve to thunder_impl itself: keep the interpreter out of its internals,
-    # as it keeps out of thunder's symbols.
-    jit_ext._general_jit_lookaside_map[thunder_impl] = lookaside
-    if method_name is not None:
-        register_method(method_name, thunder_impl)
-
-
 def _unwrapped(args: tuple, kwargs: dict) -> tuple:
     """The values of the interpreter's wrapped arguments."""
     return [getattr(a, "value", a) for a in args], {k: getattr(v, "value", v) for k, v in kwargs.items()}
@@ -88,53 +67,97 @@ def _has_executor_lookaside(fn: Any) -> bool:
     return fn in ctx._executor_lookasides or fn in ctx.ad_hoc_executor._lookasides
 
 
-@installer("dtensor", "a torch function thunder has no symbol for, called on a DTensor, becomes a dtensor op")
-def route_unknown_torch_functions(
-    symbol_for: Callable[[Callable], Callable], is_dtensor: Callable[[Any], bool]
-) -> None:
-    """A public, functional torch function thunder has no symbol for, called on a DTensor, becomes ``symbol_for(fn)``.
-
-    thunder's ``jit_ext.general_jit_lookaside`` raises "not yet supported" for such an opaque torch function;
-    with a DTensor among its arguments it is routed (and mapped, so later calls take thunder's own path).
-    """
+def is_unknown_torch_function(fn: Any) -> bool:
+    """A public, functional, opaque torch function thunder has no symbol for (``jit_ext.general_jit_lookaside``
+    raises "not yet supported" for it): on a DTensor, the generic fallback may run it."""
     from thunder.core import jit_ext
 
-    original = jit_ext.general_jit_lookaside
-    known = jit_ext._general_jit_lookaside_map
-    mapped = ltorch._torch_to_thunder_function_map
+    return (
+        jit_ext.is_opaque(fn)
+        and fn not in jit_ext._general_jit_lookaside_map
+        and fn not in ltorch._torch_to_thunder_function_map
+        and str(getattr(fn, "__module__", None) or "").startswith("torch")
+        and _is_public_functional_name(getattr(fn, "__name__", ""))
+    )
+
+
+@installer("dtensor", "a torch call or Tensor method with a DTensor argument reaches a dtensor symbol")
+def route_dtensor_calls(
+    may_route: Callable[[Any], bool],
+    function_route: Callable[[Any, list, dict], Callable | None],
+    method_route: Callable[[str, tuple, dict], Callable | None],
+) -> None:
+    """Dispatch on the proxy: thunder's tables keep thunder's entries, and two lookups ask this package first.
+
+    * the interpreter's lookaside (``jit_ext.general_jit_lookaside``): for a callable ``may_route(fn)`` accepts
+      (a cheap test: the interpreter asks for every call it makes), ``function_route(fn, args, kwargs)`` (the
+      call's values) returns the dtensor callable that runs the call, or None to leave it to thunder;
+    * the torch language context's method lookup (``x.mul(y)``, ``x * y`` on proxies): ``method_route(name,
+      args, kwargs)``, likewise.
+
+    Each route answers None unless an argument is a DTensorProxy (or the function exists only for DTensors), so
+    a plain program's calls reach exactly what thunder has. An executor's own lookaside for ``fn`` still wins.
+    """
+    from thunder.core import jit_ext
+    from thunder.torch.langctx import TorchCtx
+
+    original_lookaside = jit_ext.general_jit_lookaside
+    lookasides: dict[int, tuple[Callable, Callable]] = {}  # id(dtensor callable) -> (it, its lookaside)
+
+    def lookaside_of(target: Callable) -> Callable:
+        entry = lookasides.get(id(target))
+        if entry is None or entry[0] is not target:
+            wrapped = jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(target))
+            entry = lookasides[id(target)] = (target, jit_ext.ensure_recursive_proxies(wrapped))
+        return entry[1]
 
     def lookaside(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        # cheapest tests first: the interpreter asks this for every call it makes
         try:
-            unknown = fn not in known and fn not in mapped
-        except TypeError:  # unhashable
-            unknown = False
-        if (
-            unknown
-            and jit_ext.is_opaque(fn)
-            and str(getattr(fn, "__module__", None) or "").startswith("torch")
-            and _is_public_functional_name(getattr(fn, "__name__", ""))
-            and "out" not in kwargs
-            and not _has_executor_lookaside(fn)
-            and any(is_dtensor(v) for v in tree_flatten(_unwrapped(args, kwargs))[0])
-        ):
-            register_torch_function(fn, symbol_for(fn))
-            return jit_ext._general_jit_lookaside_map[fn]
-        return original(fn, *args, **kwargs)
+            candidate = may_route(fn)
+        except TypeError:  # an unhashable callable: no route
+            candidate = False
+        if candidate and not _has_executor_lookaside(fn):
+            target = function_route(fn, *_unwrapped(args, kwargs))
+            if target is not None:
+                return lookaside_of(target)
+        return original_lookaside(fn, *args, **kwargs)
 
     expects = expects_function(("thunder.core.jit_ext", "thunder_dtensor"), "fn")  # thunder's, or a fix over it
     patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects)
 
+    original_get_method = TorchCtx.get_method
 
-def register_method(method_name: str, thunder_impl: Callable) -> None:
-    """Put ``thunder_impl`` in thunder's Tensor-method table (``x.name(...)`` on proxies)."""
-    from thunder.core import jit_ext
-    from thunder.torch.langctx import register_method as thunder_register_method
+    def get_method(self: Any, id: str, *args: Any, **kwargs: Any) -> Callable:
+        target = method_route(id, args, kwargs)
+        return target if target is not None else original_get_method(self, id, *args, **kwargs)
 
-    thunder_register_method(method_name, thunder_impl)
-    jit_ext._general_jit_lookaside_map[thunder_impl] = jit_ext.ensure_recursive_proxies(
-        jit_ext.interpreter_needs_wrap(jit_ext.record_source_loc_in_symbol_header(thunder_impl))
-    )
+    patch(TorchCtx, "get_method", get_method, expects=expects_function("thunder.torch.langctx", "self", "id"))
+
+
+#: the executors of dtensor prims: a program's executors list gets them when it traces a DTensor
+_DTENSOR_EXECUTORS: list[Any] = []
+
+
+def add_dtensor_executor(executor: Any) -> None:
+    """``executor`` runs dtensor prims: programs that trace a DTensor get it after their own executors, whatever
+    executors the user passed (as thunder's always executors); other programs never see it."""
+    _DTENSOR_EXECUTORS.append(executor)
+
+
+def is_dtensor_program() -> bool:
+    """Whether the program being compiled traced a DTensor (its executors list has the dtensor executors)."""
+    cd = get_compile_data()
+    return cd is not None and bool(_DTENSOR_EXECUTORS) and _DTENSOR_EXECUTORS[0] in cd.executors_list
+
+
+def use_dtensor_executors() -> None:
+    """The program being compiled traces a DTensor: add the dtensor executors to its executors list (once)."""
+    from thunder.extend import add_executor_lists
+
+    cd = get_compile_data()
+    if cd is None or not _DTENSOR_EXECUTORS or _DTENSOR_EXECUTORS[-1] in cd.executors_list:
+        return
+    cd.executors_list = add_executor_lists(cd.executors_list, _DTENSOR_EXECUTORS)
 
 
 def torch_to_thunder_map() -> dict[Callable, Callable]:
@@ -548,8 +571,10 @@ def keep_dtensors_in_alias_updates(
         # thunder passes each alias group as a set: its order (so the order of the update's operands and of
         # everything the program does with them, collectives included) follows the process's hash seed, which
         # differs between ranks: ranks then ran the same program with its collectives in different orders
-        # (gloo: "Received data size doesn't match expected size"). Both thunder functions that iterate a
-        # group see it in the order of its proxies' names, the same on every rank.
+        # (gloo: "Received data size doesn't match expected size"). In a DTensor program, both thunder
+        # functions that iterate a group see it in the order of its proxies' names, the same on every rank.
+        if not (is_dtensor_program() or acts_everywhere("alias_group_order")):
+            return group
         return sorted(group, key=lambda alias: alias.proxy.name)
 
     def get_new_aliases(aliases: Any, trace: Any) -> tuple:

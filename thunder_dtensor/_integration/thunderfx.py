@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ from thunder_dtensor._integration.bootstrap import (
     thunder,
     tracectx,
 )
-from thunder_dtensor._integration.registry import expects_function, installer, patch
+from thunder_dtensor._integration.registry import acts_everywhere, expects_function, installer, patch
 
 import torch
 
@@ -80,13 +81,23 @@ def trace_on_proxies(fn: Callable, make_inputs: Callable[[], tuple[tuple, dict]]
 
 
 @installer("dtensor", "thunderfx's splitter hands graphs with DTensors to thunder.jit whole")
-def install_thunderfx_support(dtensor_node_support: Callable, plain_node_support: Callable) -> None:
-    """Make thunderfx's splitter hand graphs with DTensors to thunder.jit whole.
+def install_thunderfx_support(
+    dtensor_node_support: Callable,
+    plain_node_support: Callable,
+    is_dtensor_graph: Callable[[Any], bool],
+    is_dtensor_call: Callable[[Any, tuple, dict], bool],
+) -> None:
+    """Make thunderfx's splitter hand graphs with DTensors to thunder.jit whole. Only graphs of a DTensor
+    program are touched: a graph with a DTensor or a mesh in it (``is_dtensor_graph(graph)``), or any graph
+    dynamo makes during a call of a thunderfx-compiled function for which ``is_dtensor_call(fn, args, kwargs)``
+    (DTensor arguments, or a module with DTensor parameters: FSDP2's graphs hold its gathered plain
+    parameters). Every other graph is split and compiled exactly as thunder does it.
 
     * ``dtensor_node_support(node)`` decides for every node that touches a DTensor or a device mesh
       (``None`` leaves the node to thunder): thunder's own check crashes on the mesh's ``FakeScriptObject``
       and looks methods like ``redistribute`` up on ``torch.Tensor`` only.
-    * ``plain_node_support(node, thunder_options, thunder_check)`` answers for every other node, by asking
+    * ``plain_node_support(node, thunder_options, thunder_check)`` answers for every other node of a DTensor
+      graph, by asking
       ``thunder_check`` (thunder's own check, which traces the node's symbol and its gradient: ~0.1 s a node)
       or a cached answer for the same call signature.
     * ``translate_dtensor_ops`` is turned off: it rewrites older dynamo graphs to thunder's experimental
@@ -103,7 +114,12 @@ def install_thunderfx_support(dtensor_node_support: Callable, plain_node_support
 
     thunder_node_support = fx_utils.is_node_supported_by_thunder
 
+    def of_dtensor_program(graph: torch.fx.Graph) -> bool:
+        return _IN_DTENSOR_CALL.get() or acts_everywhere("thunderfx_graphs") or is_dtensor_graph(graph)
+
     def is_node_supported_by_thunder(node: torch.fx.Node, thunder_options: dict) -> tuple[bool, Any]:
+        if not of_dtensor_program(node.graph):
+            return thunder_node_support(node, thunder_options)
         decision = dtensor_node_support(node)
         if decision is None:
             return plain_node_support(node, thunder_options, thunder_node_support)
@@ -126,6 +142,8 @@ def install_thunderfx_support(dtensor_node_support: Callable, plain_node_support
             fx_utils.recompile_graph(graph_module)
             return thunder_jit(graph_module, **options)
 
+        if not of_dtensor_program(gm.graph):
+            return thunder_splitter(gm, thunder_jit, *args, **kwargs)
         try:
             return thunder_splitter(gm, jit_compiled_graph, *args, **kwargs)
         finally:
@@ -147,6 +165,22 @@ def install_thunderfx_support(dtensor_node_support: Callable, plain_node_support
         reason="dynamo graphs are not rewritten to thunder's experimental DTensor prims (this package removes them)",
     )
     patch(fx_compiler, "_splitter", splitter, expects=expects_function(dynamo, "gm", "thunder_jit"))
+
+    compiled_call = fx_compiler.ThunderFXCompiledObject.__call__
+
+    def call_noting_dtensors(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _IN_DTENSOR_CALL.set(_IN_DTENSOR_CALL.get() or is_dtensor_call(self._func, args, kwargs))
+        try:
+            return compiled_call(self, *args, **kwargs)
+        finally:
+            _IN_DTENSOR_CALL.reset(token)
+
+    wrapped_call = expects_function((dynamo, "thunder_dtensor"), "self")  # thunder's, or our wrapper of it
+    patch(fx_compiler.ThunderFXCompiledObject, "__call__", call_noting_dtensors, expects=wrapped_call)
+
+
+#: set during a call of a thunderfx-compiled function of a DTensor program (see install_thunderfx_support)
+_IN_DTENSOR_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("thunder_dtensor_in_call", default=False)
 
 
 @installer("dtensor", "DTensor gets sharding rules for ops it lacks only while a thunderfx program is called")

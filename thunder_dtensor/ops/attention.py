@@ -24,8 +24,6 @@ from thunder_dtensor.spec import contiguous_stride, dense_stride_like
 import torch
 import torch.nn.functional as F
 
-ltorch = ti.ltorch
-
 
 def _local_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, rng_state=None):
     """Fused SDPA on the local shards of batch/head-sharded DTensors; the output has q's spec.
@@ -207,9 +205,7 @@ def _replicate(t: Any) -> Any:
     return dtensor_redistribute(t, None, [ti.Replicate()] * t.device_mesh.ndim)
 
 
-register_function_for_dtensor(
-    F.scaled_dot_product_attention, ltorch.scaled_dot_product_attention, dtensor_scaled_dot_product_attention
-)
+register_function_for_dtensor(F.scaled_dot_product_attention, dtensor_scaled_dot_product_attention)
 
 
 def cpu_fused_attention_shardings(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):

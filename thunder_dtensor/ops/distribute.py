@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from thunder_dtensor import _integration as ti
+from thunder_dtensor.dispatch import register_function_for_dtensor
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, propagate_on_fake_dtensors
 from thunder_dtensor.proxy import DTensorProxy
@@ -111,4 +112,4 @@ def dtensor_distribute_tensor(tensor, device_mesh=None, placements=None, *, src_
     return dtensor_distribute_tensor_prim(tensor, device_mesh, placements, src_data_rank)
 
 
-ti.register_torch_function(distribute_tensor, dtensor_distribute_tensor)
+register_function_for_dtensor(distribute_tensor, dtensor_distribute_tensor, always=True)

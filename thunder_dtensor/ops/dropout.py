@@ -45,4 +45,4 @@ def dtensor_dropout(input, p=0.5, training=True, inplace=False):
     return out
 
 
-register_function_for_dtensor(F.dropout, ti.ltorch.dropout, dtensor_dropout)
+register_function_for_dtensor(F.dropout, dtensor_dropout)

@@ -83,4 +83,4 @@ def dtensor_embedding(
     return fallback_prim(F.embedding)(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
 
 
-register_function_for_dtensor(F.embedding, ti.ltorch.embedding, dtensor_embedding)
+register_function_for_dtensor(F.embedding, dtensor_embedding)

@@ -25,8 +25,6 @@ from thunder_dtensor.spec import DTensorMeta, contiguous_stride
 
 import torch
 
-ltorch = ti.ltorch
-
 
 def _zeros_with_spec(spec: Any, local_shape: tuple, device: Any) -> Any:
     local = torch.zeros(local_shape, dtype=spec.tensor_meta.dtype, device=ti.devices.to_torch_device(device))
@@ -51,22 +49,22 @@ def bind_zero_cotangent(output: Any) -> ti.BoundSymbol | None:
     return dtensor_zeros_prim.bind(output.meta.spec, output.local_shape, output.device, output=output)
 
 
-def _like(name: str, torch_fn: Any, single: Any) -> None:
+def _like(name: str, torch_fn: Any) -> None:
     prim = define_dtensor_prim(name, torch_fn, differentiable=False)
 
     def like(a, *args, **kwargs):
         return prim(a, *args, **kwargs)
 
     like.__name__ = f"dtensor_{name}"
-    register_function_for_dtensor(torch_fn, single, define_dtensor_symbol(like))
+    register_function_for_dtensor(torch_fn, define_dtensor_symbol(like))
 
 
-_like("zeros_like", torch.zeros_like, ltorch.zeros_like)
-_like("ones_like", torch.ones_like, ltorch.ones_like)
-_like("full_like", torch.full_like, ltorch.full_like)
-_like("empty_like", torch.empty_like, ltorch.empty_like)
-_like("rand_like", torch.rand_like, ltorch.rand_like)
-_like("randn_like", torch.randn_like, ltorch.randn_like)
+_like("zeros_like", torch.zeros_like)
+_like("ones_like", torch.ones_like)
+_like("full_like", torch.full_like)
+_like("empty_like", torch.empty_like)
+_like("rand_like", torch.rand_like)
+_like("randn_like", torch.randn_like)
 
 
 # --- DTensor's factories: torch.distributed.tensor.zeros(*size, device_mesh=..., placements=...) & co. ---------
@@ -182,7 +180,7 @@ def _register_factory(name: str, factory: Callable, *, fill: bool = False, rando
             return make(_size_of(size), None, dtype, layout, requires_grad, device_mesh, placements)
 
     factory_symbol.__name__ = f"dtensor_factory_{name}"
-    ti.register_torch_function(factory, define_dtensor_symbol(factory_symbol))
+    register_function_for_dtensor(factory, define_dtensor_symbol(factory_symbol), always=True)
 
 
 def _register_factories() -> None:

@@ -17,10 +17,16 @@ from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
+from thunder_dtensor.dispatch import (
+    DISPATCH_TABLE,
+    METHOD_TABLE,
+    DTensorRoute,
+    register_function_for_dtensor,
+    route_method,
+    route_unknown_functions,
+)
 from thunder_dtensor.ops.no_rule import call_or_rewrite, replicated
 from thunder_dtensor.primitive import PRIMS, define_dtensor_prim
-from thunder_dtensor.proxy import DTensorProxy
 
 import torch
 
@@ -132,52 +138,18 @@ def _property_getter(name: str) -> Callable:
 
 
 def _is_ours(fn: Any) -> bool:
-    return isinstance(fn, DTensorDispatcher) or str(getattr(fn, "id", "")).startswith("thunder_dtensor.")
-
-
-#: torch functions thunder has no symbol for that DTensor runs: prims for DTensor calls, plain calls fail as before
-_UNMAPPED_TORCH_FUNCTIONS = (torch.fill,)
-
-
-#: torch functions thunder does not map that do what a mapped one does (same signature): they take its symbol
-#: for plain tensors (so thunderfx, which sees dynamo's ``torch.rms_norm`` for ``F.rms_norm``, keeps them) and
-#: their own fallback prim for DTensors
-_SAME_AS_MAPPED_FUNCTIONS = {torch.rms_norm: torch.nn.functional.rms_norm}
-
-
-def _not_supported_by_thunder(torch_fn: Callable) -> Callable:
-    def not_supported(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"Trying to call function {torch_fn}, but it is not yet supported by thunder")
-
-    not_supported.__name__ = getattr(torch_fn, "__name__", "op")
-    return not_supported
-
-
-def _dispatcher_for_unknown(torch_fn: Callable) -> DTensorDispatcher:
-    """A torch function thunder has no symbol for: its fallback prim on DTensors, thunder's error otherwise."""
-    dispatcher = DTensorDispatcher(_not_supported_by_thunder(torch_fn), FallbackSymbol(torch_fn))
-    DISPATCH_TABLE[torch_fn] = dispatcher
-    return dispatcher
+    return str(getattr(fn, "id", "")).startswith("thunder_dtensor.")
 
 
 def register_fallbacks() -> int:
-    """Wrap every unclaimed entry of thunder's tables; returns how many were wrapped.
-
-    A torch function thunder does not know gets its dispatcher when first called on a DTensor.
-    """
-    ti.route_unknown_torch_functions(_dispatcher_for_unknown, lambda v: isinstance(v, DTensorProxy))
+    """A route for every torch function and Tensor method of thunder's tables that no op family claimed;
+    returns how many. A torch function thunder does not know gets its route when first called on a DTensor."""
+    route_unknown_functions(FallbackSymbol)
     count = 0
-    mapped = ti.torch_to_thunder_map()
-    for torch_fn, twin in _SAME_AS_MAPPED_FUNCTIONS.items():
-        if torch_fn not in mapped and twin in mapped:
-            ti.register_torch_function(torch_fn, mapped[twin])
-    for torch_fn in _UNMAPPED_TORCH_FUNCTIONS:
-        if torch_fn not in DISPATCH_TABLE and torch_fn not in ti.torch_to_thunder_map():
-            ti.register_torch_function(torch_fn, _dispatcher_for_unknown(torch_fn))
-            count += 1
-    for torch_fn, single in list(ti.torch_to_thunder_map().items()):
+    for torch_fn, entry in list(ti.torch_to_thunder_map().items()):
         name = getattr(torch_fn, "__name__", "")
-        if torch_fn in DISPATCH_TABLE or _is_ours(single) or _is_in_place(name):
+        single = ti.thunder_symbol_of(entry)
+        if torch_fn in DISPATCH_TABLE or single is None or _is_ours(single) or _is_in_place(name):
             continue
         if ti.may_return_views(single):
             VIEW_FUNCTIONS.add(torch_fn)
@@ -185,13 +157,12 @@ def register_fallbacks() -> int:
             dtensor_symbol: Any = ti.accept_dtensor_proxies(single)
         else:
             dtensor_symbol = FallbackSymbol(torch_fn)
-        dispatcher = DTensorDispatcher(single, dtensor_symbol)
-        ti.register_torch_function(torch_fn, dispatcher)
-        DISPATCH_TABLE[torch_fn] = dispatcher
+        register_function_for_dtensor(torch_fn, dtensor_symbol)
         count += 1
 
-    for method_name, single in list(ti.thunder_methods().items()):
-        if _is_ours(single) or _is_in_place(method_name):
+    for method_name, entry in list(ti.thunder_methods().items()):
+        single = ti.thunder_symbol_of(entry)
+        if method_name in METHOD_TABLE or single is None or _is_ours(single) or _is_in_place(method_name):
             continue
         torch_fn = _torch_callable_for_method(method_name)
         if torch_fn is None:
@@ -200,11 +171,10 @@ def register_fallbacks() -> int:
             VIEW_FUNCTIONS.add(torch_fn)
         existing = DISPATCH_TABLE.get(torch_fn)
         if existing is not None:
-            dispatcher = DTensorDispatcher(single, existing.dtensor_symbol)
+            route_method(method_name, existing)
         elif method_name in _METADATA_METHODS and isinstance(single, ti.Symbol):
-            dispatcher = DTensorDispatcher(single, ti.accept_dtensor_proxies(single))
+            route_method(method_name, DTensorRoute(ti.accept_dtensor_proxies(single)))
         else:
-            dispatcher = DTensorDispatcher(single, FallbackSymbol(torch_fn))
-        ti.register_method(method_name, dispatcher)
+            route_method(method_name, DTensorRoute(FallbackSymbol(torch_fn)))
         count += 1
     return count

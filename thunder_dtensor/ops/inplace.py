@@ -34,7 +34,12 @@ from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.dispatch import DISPATCH_TABLE, DTensorDispatcher
+from thunder_dtensor.dispatch import (
+    DISPATCH_TABLE,
+    register_function_for_dtensor,
+    register_method_for_dtensor,
+    route_method,
+)
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.ops.dropout import dtensor_dropout
@@ -342,15 +347,6 @@ class _MaybeInPlace:
         return self.out_of_place(*plain_args, **plain_kwargs)
 
 
-def _raise_unknown_attribute(name: str) -> Callable:
-    # thunder has no plain-tensor version of these methods: plain programs fail as they did
-    def unknown(*args: Any, **kwargs: Any) -> Any:
-        raise AttributeError(f"Unknown attribute {name}")
-
-    unknown.__name__ = name
-    return unknown
-
-
 def _is_in_place_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
@@ -359,48 +355,41 @@ def _is_random(name: str) -> bool:
     return any(part in name for part in _RANDOM_NAME_PARTS)
 
 
-def _register(torch_fn: Callable, single: Callable, symbol: Callable, method_name: str | None = None) -> None:
-    dispatcher = DTensorDispatcher(single, symbol)
-    ti.register_torch_function(torch_fn, dispatcher, method_name=method_name)
-    DISPATCH_TABLE[torch_fn] = dispatcher
-
-
 def register_inplace_ops() -> int:
     """Route every in-place torch function / Tensor method thunder knows to its in-place symbol on DTensors."""
     count = 0
     methods = ti.thunder_methods()
-    for torch_fn, single in list(ti.torch_to_thunder_map().items()):
+    for torch_fn, entry in list(ti.torch_to_thunder_map().items()):
         name = getattr(torch_fn, "__name__", "")
         if torch_fn is torch.Tensor.__setitem__:
             name = "setitem_"
         elif not _is_in_place_name(name) or _is_random(name):
             continue
-        if isinstance(single, DTensorDispatcher) or torch_fn in DISPATCH_TABLE:
+        if torch_fn in DISPATCH_TABLE or ti.thunder_symbol_of(entry) is None:
             continue
         # torch.relu_(x) and x.relu_() are one op: one symbol, named after it, run as the Tensor method
         writer = _setitem if name == "setitem_" else getattr(torch.Tensor, name, torch_fn)
         symbol = INPLACE_SYMBOLS.get(name) or inplace_symbol(name, writer)
-        method = name if methods.get(name) is single else None
-        _register(torch_fn, single, symbol, method_name=method)
+        route = register_function_for_dtensor(torch_fn, symbol)
+        if name in methods:
+            route_method(name, route)
         count += 1
 
     # Tensor.fill_: thunder has no symbol for it (plain programs keep failing the way they did)
     if torch.Tensor.fill_ not in DISPATCH_TABLE and "fill_" not in methods:
-        symbol = inplace_symbol("fill_", torch.Tensor.fill_)
-        _register(torch.Tensor.fill_, _raise_unknown_attribute("fill_"), symbol, method_name="fill_")
+        register_method_for_dtensor("fill_", inplace_symbol("fill_", torch.Tensor.fill_))
         count += 1
 
     # Functions with an ``inplace`` flag: F.relu(x, inplace=True), hence nn.ReLU(inplace=True)
-    for torch_fn, single in list(ti.torch_to_thunder_map().items()):
+    for torch_fn, entry in list(ti.torch_to_thunder_map().items()):
         name = getattr(torch_fn, "__name__", "")
         if _is_random(name) or getattr(torch.nn.functional, name, None) is not torch_fn:
             continue
-        existing = single if isinstance(single, DTensorDispatcher) else None
-        if existing is not None:
-            if isinstance(existing.dtensor_symbol, _MaybeInPlace):
-                continue
-            single = existing.single_device_symbol
-        index = ti.inplace_argument_index(single)
+        existing = DISPATCH_TABLE.get(torch_fn)
+        if existing is not None and isinstance(existing.dtensor_symbol, _MaybeInPlace):
+            continue
+        single = ti.thunder_symbol_of(entry)
+        index = None if single is None else ti.inplace_argument_index(single)
         if index is None:
             continue
         if existing is not None:
@@ -410,7 +399,7 @@ def register_inplace_ops() -> int:
             def out_of_place(*args: Any, _torch_fn: Callable = torch_fn, **kwargs: Any) -> Any:
                 return fallback_prim(_torch_fn)(*args, **kwargs)
 
-        _register(torch_fn, single, _MaybeInPlace(torch_fn, index, out_of_place))
+        register_function_for_dtensor(torch_fn, _MaybeInPlace(torch_fn, index, out_of_place))
         count += 1
     return count + _register_inplace_dropout()
 
@@ -428,7 +417,7 @@ def _register_inplace_dropout() -> int:
         return 0
     in_place = _define_inplace_symbol("functional_dropout_", _inplace_dropout_value, snapshot=False)
     maybe = _MaybeInPlace(torch.nn.functional.dropout, 3, existing.dtensor_symbol, in_place=in_place)
-    _register(torch.nn.functional.dropout, existing.single_device_symbol, maybe)
+    register_function_for_dtensor(torch.nn.functional.dropout, maybe)
     return 1
 
 

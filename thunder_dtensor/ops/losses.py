@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.dispatch import DISPATCH_TABLE, register_function_for_dtensor
+from thunder_dtensor.dispatch import dtensor_symbol_of, register_function_for_dtensor
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.ops.fallback import FallbackSymbol, fallback_name, fallback_prim
 from thunder_dtensor.ops.pointwise import dtensor_convert_element_type_prim, dtensor_div_prim
@@ -68,9 +68,7 @@ def _class_index_mean_loss(torch_fn: Callable) -> Callable:
         total = generic(**{**a, "reduction": "sum"})
         # the count and the division in float32 at least, as torch's kernel accumulates and divides
         compute = ti.dtypes.float64 if total.dtype == ti.dtypes.float64 else ti.dtypes.float32
-        minus_ones = DISPATCH_TABLE[torch.full_like].dtensor_symbol(
-            a["input"], -1.0, dtype=ti.dtypes.to_torch_dtype(compute)
-        )
+        minus_ones = dtensor_symbol_of(torch.full_like)(a["input"], -1.0, dtype=ti.dtypes.to_torch_dtype(compute))
         denominator = FallbackSymbol(F.nll_loss)(
             minus_ones, target, _to(a["weight"], compute), ignore_index=a["ignore_index"], reduction="sum"
         )
@@ -81,5 +79,4 @@ def _class_index_mean_loss(torch_fn: Callable) -> Callable:
 
 
 for _loss_fn in (F.nll_loss, F.cross_entropy):
-    _single_device = ti.torch_to_thunder_map()[_loss_fn]
-    register_function_for_dtensor(_loss_fn, _single_device, define_dtensor_symbol(_class_index_mean_loss(_loss_fn)))
+    register_function_for_dtensor(_loss_fn, define_dtensor_symbol(_class_index_mean_loss(_loss_fn)))

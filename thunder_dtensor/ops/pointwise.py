@@ -517,16 +517,16 @@ dtensor_to = define_dtensor_symbol(_to)
 
 def _register() -> None:
     binary = {
-        torch.add: (ltorch.add, dtensor_add),
-        torch.sub: (ltorch.sub, dtensor_sub),
-        torch.mul: (ltorch.mul, dtensor_mul),
-        torch.true_divide: (ltorch.true_divide, dtensor_true_divide),
-        torch.div: (ltorch.div, dtensor_div),
-        torch.pow: (ltorch.pow, _symbol_for(dtensor_pow_prim, "pow", ("input", "exponent"))),
-        torch.maximum: (ltorch.maximum, _symbol_for(dtensor_maximum_prim, "maximum")),
-        torch.minimum: (ltorch.minimum, _symbol_for(dtensor_minimum_prim, "minimum")),
-        torch.where: (ltorch.where, _symbol_for(dtensor_where_prim, "where", ("condition", "input", "other"))),
-        torch.clamp: (ltorch.clamp, dtensor_clamp),
+        torch.add: dtensor_add,
+        torch.sub: dtensor_sub,
+        torch.mul: dtensor_mul,
+        torch.true_divide: dtensor_true_divide,
+        torch.div: dtensor_div,
+        torch.pow: _symbol_for(dtensor_pow_prim, "pow", ("input", "exponent")),
+        torch.maximum: _symbol_for(dtensor_maximum_prim, "maximum"),
+        torch.minimum: _symbol_for(dtensor_minimum_prim, "minimum"),
+        torch.where: _symbol_for(dtensor_where_prim, "where", ("condition", "input", "other")),
+        torch.clamp: dtensor_clamp,
     }
     for name, prim in {
         "eq": dtensor_eq_prim,
@@ -536,7 +536,7 @@ def _register() -> None:
         "gt": dtensor_gt_prim,
         "ge": dtensor_ge_prim,
     }.items():
-        binary[getattr(torch, name)] = (getattr(ltorch, name), _symbol_for(prim, name))
+        binary[getattr(torch, name)] = _symbol_for(prim, name)
 
     unary_prims = {
         "neg": dtensor_neg_prim,
@@ -556,17 +556,17 @@ def _register() -> None:
     }
     unary = {name: _symbol_for(prim, name, ("input",)) for name, prim in unary_prims.items()}
     for name, symbol in unary.items():
-        binary[getattr(torch, name)] = (getattr(ltorch, name), symbol)
+        binary[getattr(torch, name)] = symbol
 
-    for torch_fn, (single, dtensor_symbol) in binary.items():
-        register_function_for_dtensor(torch_fn, single, dtensor_symbol, is_method=True)
+    for torch_fn, dtensor_symbol in binary.items():
+        register_function_for_dtensor(torch_fn, dtensor_symbol, is_method=True)
 
     silu = _symbol_for(dtensor_silu_prim, "silu", ("input",))
-    register_function_for_dtensor(torch.nn.functional.silu, ltorch.silu, silu)
-    register_function_for_dtensor(torch.nn.functional.gelu, ltorch.gelu, dtensor_gelu)
+    register_function_for_dtensor(torch.nn.functional.silu, silu)
+    register_function_for_dtensor(torch.nn.functional.gelu, dtensor_gelu)
     # F.relu / F.sigmoid / F.tanh are the same ops as their torch-namespace twins
     for name in ("relu", "sigmoid", "tanh"):
-        register_function_for_dtensor(getattr(torch.nn.functional, name), getattr(ltorch, name), unary[name])
+        register_function_for_dtensor(getattr(torch.nn.functional, name), unary[name])
     # operator methods that have no torch-namespace twin
     register_method_for_dtensor("to", dtensor_to)
     register_method_for_dtensor("float", _method_cast(torch.float32, "float"))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from thunder_dtensor import _integration as ti
+from thunder_dtensor.dispatch import register_function_for_dtensor, register_method_for_dtensor
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_vjp
 from thunder_dtensor.proxy import DTensorProxy
@@ -202,13 +203,13 @@ def dtensor_from_local(
 
 
 def _register() -> None:
-    ti.register_torch_function(ti.DTensor.from_local, dtensor_from_local)
+    register_function_for_dtensor(ti.DTensor.from_local, dtensor_from_local, always=True)
     for name, symbol in {
         "redistribute": dtensor_redistribute,
         "to_local": dtensor_to_local,
         "full_tensor": dtensor_full_tensor,
     }.items():
-        ti.register_torch_function(getattr(ti.DTensor, name), symbol, method_name=name)
+        register_method_for_dtensor(name, symbol)
 
 
 _register()

@@ -1,0 +1,156 @@
+"""Importing thunder_dtensor changes DTensor programs only: plain programs compile to the same traces, with the
+same executors, values and gradients, as in a process where thunder was imported without the package.
+
+thunder 0.2.x cannot import on torch >= 2.13 by itself; the process "without the package" gives it, for the
+duration of its import only, the named-tensor placeholders (and on torch >= 2.14 the Python ``Function.apply``)
+it reads, as ``thunder_dtensor`` does, and imports nothing of this package.
+
+The thunder fixes and speed-ups are switched off in the process with the package (``THUNDER_DTENSOR_THUNDER_FIXES=0``,
+``THUNDER_DTENSOR_SPEEDUPS=0``): they are about plain programs by design; what is checked here is that the
+DTensor machinery itself (dispatch, executors, hooks) leaves plain programs alone.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+_PROGRAMS = r"""
+import json, os, re, sys
+import torch
+
+if os.environ["MODE"] in ("package", "undone"):
+    import thunder_dtensor  # noqa: F401
+    import thunder
+    if os.environ["MODE"] == "undone":
+        thunder_dtensor._integration.undo_all()
+else:
+    names = ("align_as", "align_to", "has_names", "refine_names", "rename")
+    missing = [n for n in names if not hasattr(torch.Tensor, n)]
+    def placeholder(name):
+        def removed(*args, **kwargs):
+            raise AttributeError(name)
+        removed.__name__, removed.__qualname__ = name, f"Tensor.{name}"
+        return removed
+    for n in missing:
+        setattr(torch.Tensor, n, placeholder(n))
+    function = torch.autograd.function.Function
+    builtin_apply = None if hasattr(function.apply, "__func__") else vars(function)["apply"]
+    if builtin_apply is not None:
+        def apply(cls, *args, **kwargs):
+            return builtin_apply.__get__(None, cls)(*args, **kwargs)
+        function.apply = classmethod(apply)
+    import thunder
+    for n in missing:
+        delattr(torch.Tensor, n)
+    if builtin_apply is not None:
+        function.apply = builtin_apply
+    assert not [m for m in sys.modules if m.startswith("thunder_dtensor")]
+
+from thunder.dynamo import thunderfx
+
+def text(trace):
+    return re.sub(r"\(took \d+ milliseconds\)", "", re.sub(r"_\d{6,}", "_<id>", str(trace)))
+
+def tensors(x):
+    return [t.detach().tolist() for t in (x if isinstance(x, (list, tuple)) else [x])]
+
+def pointwise(x, w):
+    return ((x * w + x).exp() / 3).sum(-1)
+
+def views_and_writes(x, w):
+    y = x.clone()
+    y[:, 1:] = y[:, 1:] * 2
+    z = y.view(-1, 2).transpose(0, 1).reshape(-1)
+    return (z[::2] * w.flatten()[:z[::2].numel()]).cumsum(0)
+
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 6))
+
+def module_call(x, w):
+    return torch.nn.functional.cross_entropy(mlp(x * w), torch.tensor([1, 0, 5, 2]))
+
+def attention(x, w):
+    q = (x * w).view(1, 2, 4, 3)
+    return torch.nn.functional.scaled_dot_product_attention(q, q.sin(), q.cos(), is_causal=True).softmax(-1)
+
+results = {}
+for name, fn in [("pointwise", pointwise), ("views_and_writes", views_and_writes), ("module_call", module_call),
+                 ("attention", attention)]:
+    for frontend in ("jit", "thunderfx"):
+        torch.manual_seed(1)
+        shape = (4, 6)
+        x = torch.randn(shape, requires_grad=True)
+        w = torch.randn(shape, requires_grad=True)
+        mlp.zero_grad(set_to_none=True)
+        compiled = thunder.jit(fn) if frontend == "jit" else thunderfx(fn)
+        try:
+            out = compiled(x, w)
+            out.sum().backward()
+        except Exception as e:  # thunder's own failure: the same with and without the package
+            results[f"{name}/{frontend}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[-1][:300]}"}
+            continue
+        params = [p.grad for p in mlp.parameters() if p.grad is not None]
+        record = {"out": tensors(out), "grads": tensors([x.grad, w.grad, *params])}
+        if frontend == "jit":
+            record["traces"] = [text(t) for t in thunder.last_traces(compiled) + thunder.last_backward_traces(compiled)]
+            record["executors"] = [re.sub(r"_\d+$", "", e.name) for e in thunder.compile_data(compiled).executors_list]
+        else:
+            infos = compiled._backend.subgraph_infos
+            record["splits"] = [r.info for info in infos for r in info.split_reasons]
+            record["traces"] = [text(t) for t in compiled.last_traces]
+        results[f"{name}/{frontend}"] = record
+print("RESULTS", json.dumps(results))
+"""
+
+
+def _run(mode: str) -> dict:
+    env = {**os.environ, "MODE": mode, "PYTHONHASHSEED": "0"}  # thunder iterates sets: the same order in both
+    for switch in ("THUNDER_DTENSOR_THUNDER_FIXES", "THUNDER_DTENSOR_SPEEDUPS"):
+        env.pop(switch, None)
+    if mode == "package":
+        env.update(THUNDER_DTENSOR_THUNDER_FIXES="0", THUNDER_DTENSOR_SPEEDUPS="0")
+    result = subprocess.run([sys.executable, "-c", _PROGRAMS], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+@pytest.fixture(scope="module")
+def both() -> tuple[dict, dict]:
+    return _run("plain"), _run("package")
+
+
+def test_undo_all_leaves_thunder_as_a_fresh_process_has_it(both):
+    """With every patch on (thunder fixes and speed-ups too), ``undo_all()`` puts every slot back: plain
+    programs then compile to the traces, executors, values and gradients of a process without the package."""
+    plain, undone = both[0], _run("undone")
+    assert undone == plain
+
+
+@pytest.mark.parametrize(
+    "case",
+    [f"{n}/{f}" for n in ("pointwise", "views_and_writes", "module_call", "attention") for f in ("jit", "thunderfx")],
+)
+def test_plain_program_is_compiled_as_without_the_package(both, case):
+    plain, package = (runs[case] for runs in both)
+    assert package.get("error") == plain.get("error")
+    if "error" in plain:
+        return
+    assert package["out"] == plain["out"]
+    assert package["grads"] == plain["grads"]
+    assert package.get("executors") == plain.get("executors")
+    assert package.get("splits") == plain.get("splits")
+    assert len(package["traces"]) == len(plain["traces"])
+    for ours, theirs in zip(package["traces"], plain["traces"]):
+        assert ours == theirs, "\n".join(_first_difference(ours, theirs))
+
+
+def _first_difference(a: str, b: str) -> list[str]:
+    for i, (x, y) in enumerate(zip(a.splitlines(), b.splitlines())):
+        if x != y:
+            return [f"line {i}:", f"  with the package:    {x}", f"  without the package: {y}"]
+    return [re.sub(r"\s+", " ", "lengths differ")]

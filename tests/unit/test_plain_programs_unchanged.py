@@ -107,36 +107,43 @@ print("RESULTS", json.dumps(results))
 """
 
 
-def _run(mode: str) -> dict:
+def _start(mode: str) -> subprocess.Popen:
     env = {**os.environ, "MODE": mode, "PYTHONHASHSEED": "0"}  # thunder iterates sets: the same order in both
     for switch in ("THUNDER_DTENSOR_THUNDER_FIXES", "THUNDER_DTENSOR_SPEEDUPS"):
         env.pop(switch, None)
     if mode == "package":
         env.update(THUNDER_DTENSOR_THUNDER_FIXES="0", THUNDER_DTENSOR_SPEEDUPS="0")
-    result = subprocess.run([sys.executable, "-c", _PROGRAMS], capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
+    return subprocess.Popen(
+        [sys.executable, "-c", _PROGRAMS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def _results(process: subprocess.Popen) -> dict:
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-4000:]
+    line = next(line for line in stdout.splitlines() if line.startswith("RESULTS "))
     return json.loads(line.removeprefix("RESULTS "))
 
 
 @pytest.fixture(scope="module")
-def both() -> tuple[dict, dict]:
-    return _run("plain"), _run("package")
+def runs() -> dict[str, dict]:
+    """The three processes run at once: thunder alone, the package (fix kinds off), the package undone."""
+    started = {mode: _start(mode) for mode in ("plain", "package", "undone")}
+    return {mode: _results(process) for mode, process in started.items()}
 
 
-def test_undo_all_leaves_thunder_as_a_fresh_process_has_it(both):
+def test_undo_all_leaves_thunder_as_a_fresh_process_has_it(runs):
     """With every patch on (thunder fixes and speed-ups too), ``undo_all()`` puts every slot back: plain
     programs then compile to the traces, executors, values and gradients of a process without the package."""
-    plain, undone = both[0], _run("undone")
-    assert undone == plain
+    assert runs["undone"] == runs["plain"]
 
 
 @pytest.mark.parametrize(
     "case",
     [f"{n}/{f}" for n in ("pointwise", "views_and_writes", "module_call", "attention") for f in ("jit", "thunderfx")],
 )
-def test_plain_program_is_compiled_as_without_the_package(both, case):
-    plain, package = (runs[case] for runs in both)
+def test_plain_program_is_compiled_as_without_the_package(runs, case):
+    plain, package = runs["plain"][case], runs["package"][case]
     assert package.get("error") == plain.get("error")
     if "error" in plain:
         return

@@ -26,7 +26,11 @@ if os.environ["MODE"] in ("package", "undone"):
     import thunder_dtensor  # noqa: F401
     import thunder
     if os.environ["MODE"] == "undone":
+        from thunder.core.transforms import _grad_fn_map
+
+        assert [k for k in _grad_fn_map if str(k).startswith("thunder_dtensor.")]  # the grad rules of our prims
         thunder_dtensor._integration.undo_all()
+        assert thunder_dtensor._integration.installed() == []
 else:
     names = ("align_as", "align_to", "has_names", "refine_names", "rename")
     missing = [n for n in names if not hasattr(torch.Tensor, n)]
@@ -103,6 +107,16 @@ for name, fn in [("pointwise", pointwise), ("views_and_writes", views_and_writes
             record["splits"] = [r.info for info in infos for r in info.split_reasons]
             record["traces"] = [text(t) for t in compiled.last_traces]
         results[f"{name}/{frontend}"] = record
+import thunder.extend
+from thunder.core.transforms import _grad_fn_map
+from thunder.executors.torchex import ex as torch_executor
+
+# thunder's tables as they stand after the programs ran (the same with and without the package, undone)
+results["tables"] = {
+    "grad rules": sorted(map(str, _grad_fn_map)),
+    "torch executor": sorted(map(str, [*torch_executor.opmap, *torch_executor.implmap])),
+    "executors": sorted(map(str, thunder.extend._executor_map)),
+}
 print("RESULTS", json.dumps(results))
 """
 

@@ -19,7 +19,7 @@ from thunder_dtensor._integration.bootstrap import (
     thunder,
     tree_flatten,
 )
-from thunder_dtensor._integration.registry import expects_function, installer, patch
+from thunder_dtensor._integration.registry import add_entry, expects_function, installer, patch
 
 import torch
 
@@ -200,7 +200,18 @@ def let_torch_executors_claim(symbol: Symbol, fn: Callable) -> None:
 
     op = pytorch_ex.register_operator(symbol.name, like=symbol, fn=fn)
     pytorch_ex.register_implementation(symbol, op, checker=lambda *args, **kwargs: True)
-    torch_compile_ex._implmap[symbol.id] = ImplInfo()
+    # thunder's registration made the torch executor's entries: recorded (so listed and undoable) as ours
+    owner, why = (
+        "compile_pipeline.let_torch_executors_claim",
+        "a local op of the lowering, claimable by torch's executors",
+    )
+    entries = (
+        (pytorch_ex.opmap, symbol.name, pytorch_ex.opmap.pop(symbol.name), "thunder.executors.torchex.ex.opmap"),
+        (pytorch_ex.implmap, symbol.id, pytorch_ex.implmap.pop(symbol.id), "thunder.executors.torchex.ex.implmap"),
+        (torch_compile_ex.implmap, symbol.id, ImplInfo(), "thunder.executors.torch_compile.torch_compile_ex.implmap"),
+    )
+    for table, key, value, table_name in entries:
+        add_entry(table, key, value, table_name=table_name, owner=owner, reason=why)
 
 
 def claiming_operator(bsym: BoundSymbol, executors: Sequence[Any]) -> Symbol | None:

@@ -239,6 +239,27 @@ def patch(
     return None if seen is _ABSENT else seen
 
 
+def add_entry(
+    table: Any, key: Any, value: Any, *, table_name: str, owner: str, reason: str, kind: str = "dtensor"
+) -> None:
+    """A new entry, keyed by something of this package's (a dtensor prim's id), of one of thunder's tables,
+    made after import (prims are made on first use): recorded under ``owner`` as a patch, so :func:`installed`
+    lists it and undoing ``owner`` (or :func:`undo_all`) removes it. The key is absent from the table, or an
+    entry ``owner`` made (a prim's generic grad rule replaced by its own)."""
+    mine = next((p for p in _PATCHES if p.target is table and p.in_table and p.slot == key), None)
+    if mine is None and key in table:
+        raise IntegrationError(f"{table_name}[{key!r}]: expected no entry, found {_describe(table[key])}")
+    if mine is not None and mine.owner != owner:
+        raise IntegrationError(f"{table_name}[{key!r}] belongs to {mine.owner}, not {owner}")
+    record = Patch(owner, kind, reason, table, key, True, table_name, False, _ABSENT, value)
+    table[key] = value
+    if mine is None:
+        _PATCHES.append(record)
+    else:
+        _PATCHES[_PATCHES.index(mine)] = record
+    _DONE.setdefault(owner, _Installer(owner, kind, reason))
+
+
 def add_executor(executor: Any, *, always: bool = False) -> None:
     """Register ``executor`` with thunder (``get_executor(name)``), and with ``always`` among its always executors
     (every program's), as patches: undoing them takes it out again."""

@@ -36,7 +36,6 @@ from thunder_dtensor._integration.bootstrap import (
     put_grad,
     put_grads,
     pyval,
-    register_grad,
     thunder,
 )
 from thunder_dtensor._integration.registry import (
@@ -748,6 +747,8 @@ def run_torch_custom_ops() -> None:
     ``register_autograd`` rule), its forward recomputed. Keyword arguments are passed by position (the grad
     rule takes them so); an op without a fake implementation still raises thunder's error, and the backward
     of an op with several outputs raises torch's."""
+    from thunder_dtensor._integration.thunder_hooks import register_grad as register_own_grad
+
     from thunder.core import jit_ext
     from thunder.torch.custom_op import _get_meta_function_from
 
@@ -773,7 +774,7 @@ def run_torch_custom_ops() -> None:
                 put_grad(a, g)
             return out
 
-        register_grad(forward, grad_rule)
+        register_own_grad(forward, grad_rule, owner="thunder_fixes.run_torch_custom_ops", kind="thunder-fix")
         return forward
 
     def call(packet_wrapper: Any, *args: Any, **kwargs: Any) -> Any:

@@ -32,8 +32,10 @@ from thunder_dtensor._integration.bootstrap import (
     variableify,
 )
 from thunder_dtensor._integration.registry import (
+    GRAD_RULES,
     JIT_LOOKASIDES,
     acts_everywhere,
+    add_entry,
     expects_absent,
     expects_function,
     expects_identical,
@@ -132,6 +134,17 @@ def route_dtensor_calls(
         return target if target is not None else original_get_method(self, id, *args, **kwargs)
 
     patch(TorchCtx, "get_method", get_method, expects=expects_function("thunder.torch.langctx", "self", "id"))
+
+
+def register_grad(symbol: Any, rule: Callable, *, owner: str = "primitive.grad_rules", kind: str = "dtensor") -> None:
+    """thunder's ``register_grad`` for a symbol of this package's, through the registry (listed, undoable)."""
+    from thunder.core import transforms
+    from thunder.core.langctxs import Languages, langctx
+
+    key = symbol.id if isinstance(symbol, Symbol) else symbol
+    rule = langctx(Languages.TORCH)(rule)  # as thunder's register_grad: rules are written in torch's language
+    why = "the grad rule of a symbol of this package's"
+    add_entry(transforms._grad_fn_map, key, rule, table_name=GRAD_RULES, owner=owner, reason=why, kind=kind)
 
 
 #: the executors of dtensor prims: a program's executors list gets them when it traces a DTensor

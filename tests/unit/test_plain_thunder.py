@@ -173,17 +173,21 @@ def test_patches_that_are_not_about_dtensors_can_be_switched_off_and_keep_plain_
     import json
     import os
 
-    runs = []
-    for value in ("1", "0"):
-        result = subprocess.run(
+    processes = [  # on and off, at once
+        subprocess.Popen(
             [sys.executable, "-c", _PLAIN_PROGRAM],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=300,
             env={**os.environ, kind: value},
         )
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+        for value in ("1", "0")
+    ]
+    runs = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-3000:]
+        runs.append(json.loads(stdout.strip().splitlines()[-1]))
     on, off = runs
     patch = "speedup" if kind == "THUNDER_DTENSOR_SPEEDUPS" else "thunder-fix"
     assert on[patch] and not off[patch]
@@ -346,16 +350,21 @@ def test_alias_updates_do_not_depend_on_the_hash_seed():
     """thunder orders the operands of an ``update_aliases`` line by iterating a set, so the program (in a DTensor
     program: the order of its collectives) followed each process's hash seed, which differs between ranks; the
     fuzzer's runs died of mismatched gloo collectives. With the fix the traces are the same under any seed (these
-    two seeds give different orders without it)."""
+    two seeds give different orders without it). It acts within DTensor programs; this plain program takes it
+    when it is switched on everywhere, and shows thunder's own order otherwise."""
     import os
 
-    traces = []
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "THUNDER_DTENSOR_FIXES_EVERYWHERE": "alias_group_order"}
-        result = subprocess.run(
-            [sys.executable, "-c", _ALIAS_ORDER_PROGRAM], capture_output=True, text=True, timeout=300, env=env
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        traces.append(result.stdout)
-    assert "update_aliases" in traces[0]
-    assert traces[0] == traces[1]
+    def start(seed: str, everywhere: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONHASHSEED": seed, "THUNDER_DTENSOR_FIXES_EVERYWHERE": everywhere}
+        command = [sys.executable, "-c", _ALIAS_ORDER_PROGRAM]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    processes = {(seed, on): start(seed, on) for seed in ("1", "2") for on in ("alias_group_order", "")}
+    traces = {}
+    for key, process in processes.items():
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-3000:]
+        traces[key] = stdout
+    assert "update_aliases" in traces["1", "alias_group_order"]
+    assert traces["1", "alias_group_order"] == traces["2", "alias_group_order"]
+    assert traces["1", ""] != traces["2", ""]  # thunder's own order, without the fix

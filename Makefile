@@ -60,10 +60,11 @@ zoo: setup
 
 # another torch (docs/architecture.md, "Versions"): a venv with it (CUDA wheels of 5-7 GB, deleted afterwards unless
 # KEEP=1), the unit tests, the seed and TP examples under thunder.jit and thunderfx, a distributed subset at 2 ranks.
-# e.g. make compat TORCH=2.10.0
+# e.g. make compat TORCH=2.10.0; make compat TORCH=2.13.0 THUNDER=0.2.7.dev20260201 (another lightning-thunder)
+THUNDER ?=
 TORCH ?= 2.14.1
 compat:
-	bash scripts/compat.sh $(TORCH)
+	THUNDER=$(THUNDER) bash scripts/compat.sh $(TORCH)
 
 tp-demo: setup
 	$(RUN2) examples/tp_transformer.py

@@ -284,3 +284,13 @@ def test_one_record_per_prim_holds_its_facts():
     source = pathlib.Path(primitive.__file__).read_text()
     imported = [n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m and m.startswith("thunder_dtensor.ops")]
+
+
+def test_declared_thunder_range_is_the_tested_one():
+    """pyproject.toml declares exactly the lightning-thunder releases the package passes on (0.2.6; the 0.2.7
+    nightlies change a slot it patches), and the import refuses others unless asked to try."""
+    low, high = _integration.THUNDER_TESTED_RANGE
+    if os.environ.get(_integration.UNTESTED_THUNDER_VARIABLE) != "1":
+        assert low <= _integration.THUNDER_VERSION < high
+    pyproject = open(__file__.rsplit("/tests/", 1)[0] + "/pyproject.toml").read()
+    assert f'"lightning-thunder>={low},<{high}"' in pyproject

@@ -185,10 +185,10 @@ def _identities(args: tuple, kwargs: dict) -> tuple:
 
 def declared_versions() -> str:
     """The releases the package declares (pyproject.toml), for error messages."""
-    from thunder_dtensor._integration.bootstrap import TORCH_TESTED_RANGE
+    from thunder_dtensor._integration.bootstrap import THUNDER_TESTED_RANGE, TORCH_TESTED_RANGE
 
     low, high = TORCH_TESTED_RANGE
-    return f"lightning-thunder 0.2.6 to 0.2.x and torch {low} to {high} (excluded)"
+    return f"lightning-thunder {THUNDER_TESTED_RANGE[0]} and torch {low} to {high} (excluded)"
 
 
 def patch(

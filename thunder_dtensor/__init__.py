@@ -102,7 +102,7 @@ if DISTRIBUTED_AVAILABLE:
 
 from thunder_dtensor.sdpa_backends import install_sdpa_kernel_support  # noqa: E402  (sdpa_kernel(...) in jitted code)
 
-install_sdpa_kernel_support()  # last: it wraps the SDPA lookaside the op registrations above installed
+install_sdpa_kernel_support()  # sdpa_kernel(...) in jitted code (DTensor attention runs the same check itself)
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import fsdp

@@ -70,8 +70,8 @@ _indexed_size = -1
 def _reindex() -> None:
     global _indexed_size
     _torch_fn_by_symbol_id.clear()
-    for torch_fn, dispatcher in DISPATCH_TABLE.items():
-        symbol = dispatcher.dtensor_symbol
+    for torch_fn, route in DISPATCH_TABLE.items():
+        symbol = route.dtensor_symbol
         if isinstance(symbol, ti.Symbol):
             _torch_fn_by_symbol_id.setdefault(symbol.id, torch_fn)
     _indexed_size = len(DISPATCH_TABLE)

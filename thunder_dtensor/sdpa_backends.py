@@ -239,21 +239,8 @@ def is_sdpa_kernel_node(node: torch.fx.Node) -> bool:
 
 
 def install_sdpa_kernel_support() -> None:
-    """Hook the above into thunder's interpreter (after the op registrations: it wraps SDPA's lookaside, and
-    the DTensor route of SDPA, which the interpreter takes before thunder's lookaside)."""
+    """Hook the above into thunder's interpreter (it wraps thunder's SDPA lookaside for plain tensors; the DTensor
+    op calls :func:`check_sdpa_call` itself, ops/attention.py)."""
     ti.install_sdpa_kernel_support(
         context=TraceTimeSDPAKernel, set_backends=set_sdpa_kernel, check_sdpa_call=check_sdpa_call
     )
-    if not ti.DISTRIBUTED_AVAILABLE:
-        return
-    from thunder_dtensor.dispatch import DISPATCH_TABLE, register_function_for_dtensor
-
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    dtensor_sdpa = DISPATCH_TABLE[sdpa].dtensor_symbol
-
-    def checked_dtensor_sdpa(*args: Any, **kwargs: Any) -> Any:
-        check_sdpa_call(*args, **kwargs)
-        return dtensor_sdpa(*args, **kwargs)
-
-    checked_dtensor_sdpa.__name__ = "dtensor_scaled_dot_product_attention_checked"
-    register_function_for_dtensor(sdpa, checked_dtensor_sdpa)

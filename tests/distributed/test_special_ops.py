@@ -135,3 +135,30 @@ def test_dropout_mask_reused_in_backward(placements):
     torch.testing.assert_close(outs[0], outs[1])  # same seed, same mask
     x = _dt(x_full, placements)
     torch.testing.assert_close(thunder.jit(lambda x: F.dropout(x, p=p, training=False))(x).full_tensor(), x_full)
+
+
+def test_sdpa_kernel_choice_is_checked_for_dtensor_attention():
+    """Inside ``sdpa_kernel(...)`` DTensor attention is checked like plain attention (the DTensor op calls the
+    check itself): a backend that can run it gives eager DTensor's values; one that cannot (efficient attention
+    on CPU, which eager DTensor also fails to run) is refused at trace time, naming the backend."""
+    from thunder_dtensor.sdpa_backends import SDPABackendError
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (_dt(make_full((2, 4, 8, 16), seed=s), [Shard(1)], requires_grad=False) for s in range(3))
+
+    def attention_under(backend):
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)  # (eager DTensor's MATH path rejects is_causal)
+
+        return fn
+
+    expected = attention_under(SDPBackend.MATH)(q, k, v)
+    out = thunder.jit(attention_under(SDPBackend.MATH))(q, k, v)
+    assert out.placements == expected.placements
+    torch.testing.assert_close(out.full_tensor(), expected.full_tensor())
+    with pytest.raises(RuntimeError):
+        attention_under(SDPBackend.EFFICIENT_ATTENTION)(q, k, v)
+    with pytest.raises(SDPABackendError, match="SDPBackend.EFFICIENT_ATTENTION"):
+        thunder.jit(attention_under(SDPBackend.EFFICIENT_ATTENTION))(q, k, v)

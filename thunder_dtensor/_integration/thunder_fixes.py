@@ -273,7 +273,7 @@ def install_sdpa_kernel_support(*, context: type, set_backends: Callable, check_
     * ``_sdpa_kernel(backends, set_priority)``, what dynamo graphs call on entering and leaving the context,
       runs ``set_backends`` whole; ``_backend_from_string`` (the graphs' spelling of a backend) runs whole;
     * ``F.scaled_dot_product_attention`` first runs ``check_sdpa_call`` on its arguments, then what it ran
-      before (thunder's symbol or the DTensor dispatcher): install this after the op registrations.
+      before (thunder's own lookaside; a DTensor call is routed before it and its op runs the check itself).
     """
     import torch.nn.attention as attention
     import torch.nn.functional as F

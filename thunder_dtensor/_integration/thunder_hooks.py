@@ -157,10 +157,14 @@ def add_dtensor_executor(executor: Any) -> None:
     _DTENSOR_EXECUTORS.append(executor)
 
 
+def _has_dtensor_executors(cd: Any) -> bool:
+    return bool(_DTENSOR_EXECUTORS) and _DTENSOR_EXECUTORS[0] in cd.executors_list
+
+
 def is_dtensor_program() -> bool:
     """Whether the program being compiled traced a DTensor (its executors list has the dtensor executors)."""
     cd = get_compile_data()
-    return cd is not None and bool(_DTENSOR_EXECUTORS) and _DTENSOR_EXECUTORS[0] in cd.executors_list
+    return cd is not None and _has_dtensor_executors(cd)
 
 
 def use_dtensor_executors() -> None:
@@ -168,9 +172,8 @@ def use_dtensor_executors() -> None:
     from thunder.extend import add_executor_lists
 
     cd = get_compile_data()
-    if cd is None or not _DTENSOR_EXECUTORS or _DTENSOR_EXECUTORS[-1] in cd.executors_list:
-        return
-    cd.executors_list = add_executor_lists(cd.executors_list, _DTENSOR_EXECUTORS)
+    if cd is not None and _DTENSOR_EXECUTORS and not _has_dtensor_executors(cd):
+        cd.executors_list = add_executor_lists(cd.executors_list, _DTENSOR_EXECUTORS)
 
 
 def torch_to_thunder_map() -> dict[Callable, Callable]:

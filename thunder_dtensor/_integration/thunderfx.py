@@ -115,7 +115,12 @@ def install_thunderfx_support(
     thunder_node_support = fx_utils.is_node_supported_by_thunder
 
     def of_dtensor_program(graph: torch.fx.Graph) -> bool:
-        return _IN_DTENSOR_CALL.get() or acts_everywhere("thunderfx_graphs") or is_dtensor_graph(graph)
+        in_dtensor_call = _IN_DTENSOR_CALL.get()
+        return (
+            acts_everywhere("thunderfx_graphs")
+            or is_dtensor_graph(graph)
+            or (in_dtensor_call is not None and in_dtensor_call())
+        )
 
     def is_node_supported_by_thunder(node: torch.fx.Node, thunder_options: dict) -> tuple[bool, Any]:
         if not of_dtensor_program(node.graph):
@@ -169,7 +174,15 @@ def install_thunderfx_support(
     compiled_call = fx_compiler.ThunderFXCompiledObject.__call__
 
     def call_noting_dtensors(self: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _IN_DTENSOR_CALL.set(_IN_DTENSOR_CALL.get() or is_dtensor_call(self._func, args, kwargs))
+        outer = _IN_DTENSOR_CALL.get()
+        answer: list[bool] = []
+
+        def in_dtensor_call() -> bool:  # asked only when dynamo compiles a graph during the call: once, then kept
+            if not answer:
+                answer.append((outer is not None and outer()) or is_dtensor_call(self._func, args, kwargs))
+            return answer[0]
+
+        token = _IN_DTENSOR_CALL.set(in_dtensor_call)
         try:
             return compiled_call(self, *args, **kwargs)
         finally:
@@ -179,8 +192,11 @@ def install_thunderfx_support(
     patch(fx_compiler.ThunderFXCompiledObject, "__call__", call_noting_dtensors, expects=wrapped_call)
 
 
-#: set during a call of a thunderfx-compiled function of a DTensor program (see install_thunderfx_support)
-_IN_DTENSOR_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("thunder_dtensor_in_call", default=False)
+#: during a call of a thunderfx-compiled function: whether it runs a DTensor program, asked lazily (a steady-state
+#: call compiles nothing and pays nothing for the question; see install_thunderfx_support)
+_IN_DTENSOR_CALL: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
+    "thunder_dtensor_in_call", default=None
+)
 
 
 @installer("dtensor", "DTensor gets sharding rules for ops it lacks only while a thunderfx program is called")

@@ -19,6 +19,7 @@ from thunder_dtensor.dispatch import register_function_for_dtensor
 from thunder_dtensor.ops.redistribute import dtensor_redistribute
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
+from thunder_dtensor.sdpa_backends import check_sdpa_call
 from thunder_dtensor.spec import contiguous_stride, dense_stride_like
 
 import torch
@@ -151,6 +152,8 @@ def _mask_is_local(mask: Any, q: DTensorProxy) -> bool:
 def dtensor_scaled_dot_product_attention(
     q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
+    # inside sdpa_kernel(...): refused at trace time if none of the chosen backends can run it (as for plain SDPA)
+    check_sdpa_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     dtensors = all(isinstance(t, DTensorProxy) for t in (q, k, v))
     if dtensors and _shards_only_batch_or_heads(q) and _mask_is_local(attn_mask, q):
         # replicated k / v next to a batch- or head-sharded q: take their matching slice (no communication),

@@ -1792,7 +1792,14 @@ class _PlainRun:
 
 def _plain_check(kind: str, fn_plain: Callable, program: Program, ref: _Reference) -> _PlainRun:
     """How thunder alone (``kind``: "jit" or "thunderfx") gets the plain program wrong: then the bug is not in
-    DTensor code."""
+    DTensor code. thunder as the DTensor program meets it: with the package's scoped fixes of thunder on."""
+    from thunder_dtensor import fixes_everywhere
+
+    with fixes_everywhere("all"):
+        return _plain_check_with_fixes(kind, fn_plain, program, ref)
+
+
+def _plain_check_with_fixes(kind: str, fn_plain: Callable, program: Program, ref: _Reference) -> _PlainRun:
     run = _PlainRun()
     tol = _TOLERANCES[program.dtype]
     inputs = [_full(i, program.dtype) for i in program.inputs]

@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
 RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 
-.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz zoo compat clean
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz zoo compat thunder-suite clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,13 @@ THUNDER ?=
 TORCH ?= 2.14.1
 compat:
 	THUNDER=$(THUNDER) bash scripts/compat.sh $(TORCH)
+
+# lightning-thunder's own CPU tests of plain programs (about 1,200: core, grad, update_aliases, interpreter, jit_general,
+# transforms, dynamo, ...) without and with `import thunder_dtensor` first, compared test by test (about 40 minutes
+# on 2 cores): scripts/thunder_suite.py
+thunder-suite: setup
+	$(PY) -m pip install -q pytest-benchmark pytest-timeout fdm==0.5.0 hypothesis expecttest
+	$(PY) scripts/thunder_suite.py --out thunder_suite_out
 
 tp-demo: setup
 	$(RUN2) examples/tp_transformer.py

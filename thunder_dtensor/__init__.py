@@ -8,10 +8,12 @@ dtensor prims on this package's executor, forward and backward.
 from __future__ import annotations
 
 from thunder_dtensor import _integration
-from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, SCOPED_FIXES, fixes_everywhere, thunder
+from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, thunder
 
-# fixes of thunder that act within DTensor programs unless switched on everywhere (``with fixes_everywhere(...)``)
-__all__ = ["DISTRIBUTED_AVAILABLE", "SCOPED_FIXES", "fixes_everywhere", "thunder"]
+# each fix of thunder acts within DTensor programs unless switched (``thunder_dtensor.fixes``)
+__all__ = ["DISTRIBUTED_AVAILABLE", "fixes", "fixes_everywhere", "thunder"]
+_integration.note_each_call()  # what asks can tell a DTensor program (the scope of everything below)
+_integration.consult_scoped_entries()  # lookasides and methods of the fixes, where they act
 _integration.fix_complex_gradients()  # thunder 0.2.6's grad rules ignore complex conjugation (RoPE)
 _integration.call_custom_autograd_functions_with_builtin_apply()  # torch >= 2.14: autograd.Function.apply is C
 _integration.tolerate_sequences_that_cannot_be_iterated()  # a Sequence's own __init__ (transformers' configs)
@@ -100,6 +102,8 @@ if DISTRIBUTED_AVAILABLE:
         "register_method_for_dtensor",
     ]
 
+from thunder_dtensor import fixes  # noqa: E402  (the switches: enable, disable, enabled, ...)
+from thunder_dtensor.fixes import fixes_everywhere  # noqa: E402
 from thunder_dtensor.sdpa_backends import install_sdpa_kernel_support  # noqa: E402  (sdpa_kernel(...) in jitted code)
 
 install_sdpa_kernel_support()  # sdpa_kernel(...) in jitted code (DTensor attention runs the same check itself)

@@ -10,21 +10,22 @@ silently.
 
 An installer runs once per process (its qualified name is its key; a second call with the same arguments returns
 at once, one with other arguments raises); ``thunder-fix`` and ``speedup`` installers do nothing when their
-environment switch is ``0`` (:data:`PATCH_SWITCHES`). :func:`installed` lists what is patched; :func:`undo` puts
-an installer's slots back, all or none (tests, and a failed installer's partial work); :func:`undo_all` every
+environment switch is ``0`` (:data:`PATCH_SWITCHES`); each of them is also a switchable fix
+(:mod:`thunder_dtensor._integration.fixes.switches`) that acts within DTensor programs unless chosen otherwise.
+:func:`installed` lists what is patched; :func:`undo` puts an installer's slots back, all or none (tests, and
+a failed installer's partial work); :func:`undo_all` every
 installer's, latest first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
 import inspect
 import os
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 #: the kinds of patches; docs/architecture.md lists the non-``dtensor`` ones with their plain-thunder reproducers
@@ -33,46 +34,6 @@ PATCH_KINDS = ("dtensor", "thunder-fix", "speedup")
 #: the patches to thunder that are not about DTensors, by kind, and the environment variable that turns a kind
 #: off ("0"); docs/architecture.md, "Thunder fixes that are not about DTensors", lists each with its reproducer
 PATCH_SWITCHES = {"thunder-fix": "THUNDER_DTENSOR_THUNDER_FIXES", "speedup": "THUNDER_DTENSOR_SPEEDUPS"}
-
-
-#: fixes to thunder that act within DTensor programs only unless switched on everywhere (by name); the
-#: environment variable's comma-separated names (or ``all``) are the process's default
-SCOPED_FIXES = {
-    "thunderfx_graphs": "thunderfx's splitter and compiler as this package runs them (each graph compiled to "
-    "Python before thunder.jit sees it, node decisions cached by call signature, complex views and sdpa_kernel "
-    "kept in thunder's graph)",
-    "alias_group_order": "thunder's alias updates iterate each alias group in the order of its proxies' names",
-}
-SCOPED_FIXES_VARIABLE = "THUNDER_DTENSOR_FIXES_EVERYWHERE"
-_everywhere: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
-    "thunder_dtensor_everywhere", default=None
-)
-
-
-def _default_everywhere() -> frozenset[str]:
-    names = {n.strip() for n in os.environ.get(SCOPED_FIXES_VARIABLE, "").split(",") if n.strip()}
-    return frozenset(SCOPED_FIXES) if "all" in names else frozenset(names)
-
-
-def acts_everywhere(name: str) -> bool:
-    """Whether the scoped fix ``name`` acts on every program (else only within DTensor programs)."""
-    chosen = _everywhere.get()
-    return name in (chosen if chosen is not None else _default_everywhere())
-
-
-@contextlib.contextmanager
-def fixes_everywhere(*names: str) -> Iterator[None]:
-    """Within the block, the scoped fixes ``names`` (:data:`SCOPED_FIXES`; ``"all"``) act on plain programs too."""
-    unknown = set(names) - set(SCOPED_FIXES) - {"all"}
-    if unknown:
-        raise ValueError(f"unknown fixes {sorted(unknown)}; the scoped fixes are {sorted(SCOPED_FIXES)}")
-    chosen = frozenset(SCOPED_FIXES) if "all" in names else frozenset(names)
-    current = _everywhere.get()
-    token = _everywhere.set((current if current is not None else _default_everywhere()) | chosen)
-    try:
-        yield
-    finally:
-        _everywhere.reset(token)
 
 
 def patch_kind_enabled(kind: str) -> bool:
@@ -146,7 +107,11 @@ def installer(kind: str, reason: str) -> Callable[[Callable[..., None]], Callabl
         raise ValueError(f"unknown patch kind {kind!r}")
 
     def decorate(fn: Callable[..., None]) -> Callable[..., None]:
-        name = f"{fn.__module__}.{fn.__qualname__}".removeprefix("thunder_dtensor.").removeprefix("_integration.")
+        name = (
+            f"{fn.__module__}.{fn.__qualname__}".removeprefix("thunder_dtensor.")
+            .removeprefix("_integration.")
+            .removeprefix("fixes.")
+        )
         record = _Installer(name, kind, reason)
 
         @functools.wraps(fn)
@@ -173,6 +138,10 @@ def installer(kind: str, reason: str) -> Callable[[Callable[..., None]], Callabl
             _DONE[record.name] = run
 
         install.patch_kind = kind  # type: ignore[attr-defined]
+        if kind != "dtensor":  # a fix to thunder or a speed-up: switchable, by its function's name
+            from thunder_dtensor._integration.fixes.switches import declare_fix
+
+            declare_fix(fn.__name__, kind, reason)
         return install
 
     return decorate

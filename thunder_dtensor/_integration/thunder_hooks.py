@@ -31,10 +31,15 @@ from thunder_dtensor._integration.bootstrap import (
     tracectx,
     variableify,
 )
+from thunder_dtensor._integration.fixes.switches import active, declare_fix
+from thunder_dtensor._integration.program_scope import (  # noqa: F401  (re-exported)
+    add_dtensor_executor,
+    traced_a_dtensor,
+    use_dtensor_executors,
+)
 from thunder_dtensor._integration.registry import (
     GRAD_RULES,
     JIT_LOOKASIDES,
-    acts_everywhere,
     add_entry,
     expects_absent,
     expects_function,
@@ -133,7 +138,8 @@ def route_dtensor_calls(
         target = method_route(id, args, kwargs)
         return target if target is not None else original_get_method(self, id, *args, **kwargs)
 
-    patch(TorchCtx, "get_method", get_method, expects=expects_function("thunder.torch.langctx", "self", "id"))
+    expects = expects_function(("thunder.torch.langctx", "thunder_dtensor"), "self", "id")  # thunder's, or ours over it
+    patch(TorchCtx, "get_method", get_method, expects=expects)
 
 
 def register_grad(symbol: Any, rule: Callable, *, owner: str = "primitive.grad_rules", kind: str = "dtensor") -> None:
@@ -145,35 +151,6 @@ def register_grad(symbol: Any, rule: Callable, *, owner: str = "primitive.grad_r
     rule = langctx(Languages.TORCH)(rule)  # as thunder's register_grad: rules are written in torch's language
     why = "the grad rule of a symbol of this package's"
     add_entry(transforms._grad_fn_map, key, rule, table_name=GRAD_RULES, owner=owner, reason=why, kind=kind)
-
-
-#: the executors of dtensor prims: a program's executors list gets them when it traces a DTensor
-_DTENSOR_EXECUTORS: list[Any] = []
-
-
-def add_dtensor_executor(executor: Any) -> None:
-    """``executor`` runs dtensor prims: programs that trace a DTensor get it after their own executors, whatever
-    executors the user passed (as thunder's always executors); other programs never see it."""
-    _DTENSOR_EXECUTORS.append(executor)
-
-
-def _has_dtensor_executors(cd: Any) -> bool:
-    return bool(_DTENSOR_EXECUTORS) and _DTENSOR_EXECUTORS[0] in cd.executors_list
-
-
-def is_dtensor_program() -> bool:
-    """Whether the program being compiled traced a DTensor (its executors list has the dtensor executors)."""
-    cd = get_compile_data()
-    return cd is not None and _has_dtensor_executors(cd)
-
-
-def use_dtensor_executors() -> None:
-    """The program being compiled traces a DTensor: add the dtensor executors to its executors list (once)."""
-    from thunder.extend import add_executor_lists
-
-    cd = get_compile_data()
-    if cd is not None and _DTENSOR_EXECUTORS and not _has_dtensor_executors(cd):
-        cd.executors_list = add_executor_lists(cd.executors_list, _DTENSOR_EXECUTORS)
 
 
 def torch_to_thunder_map() -> dict[Callable, Callable]:
@@ -490,6 +467,8 @@ def read_root_module_state_from_user_module() -> None:
     """
     from thunder.core import interpreter, jit_ext
 
+    why = "the prologue reads a jitted module's hook dicts from the user's module, not its ThunderModule"
+    declare_fix("read_root_module_state_from_user_module", "dtensor", why)
     thunder_getattr = jit_ext._general_jit_lookaside_map[getattr]
 
     def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
@@ -498,6 +477,7 @@ def read_root_module_state_from_user_module() -> None:
             value is not interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
             and isinstance(interpreter.unwrap(obj), torch.nn.Module)
             and interpreter.unwrap(name) in _WRAPPER_SHADOWED_MODULE_STATE
+            and active("read_root_module_state_from_user_module")
         ):
             record = value.provenance
             if (
@@ -582,6 +562,8 @@ def keep_dtensors_in_alias_updates(
             return new_alias(alias.proxy)
 
     thunder_new_aliases = update_aliases._get_new_aliases
+    why = "thunder's alias updates iterate each alias group in the order of its proxies' names"
+    declare_fix("alias_group_order", "dtensor", why)
 
     def in_name_order(group: Any) -> list:
         # thunder passes each alias group as a set: its order (so the order of the update's operands and of
@@ -589,7 +571,7 @@ def keep_dtensors_in_alias_updates(
         # differs between ranks: ranks then ran the same program with its collectives in different orders
         # (gloo: "Received data size doesn't match expected size"). In a DTensor program, both thunder
         # functions that iterate a group see it in the order of its proxies' names, the same on every rank.
-        if not (is_dtensor_program() or acts_everywhere("alias_group_order")):
+        if not active("alias_group_order"):
             return group
         return sorted(group, key=lambda alias: alias.proxy.name)
 
@@ -695,3 +677,8 @@ def wrap_compiled_backwards(wrap: Callable[[Any], Callable | None]) -> None:
         return None if {"backward_fn", "backward_traces"} <= fields else "a namedtuple with a backward_fn field"
 
     patch(thunder, "CacheEntry", CacheEntry, expects=namedtuple_with_a_backward)
+
+
+def is_dtensor_program() -> bool:
+    """Whether the program being compiled traced a DTensor (its executors list has the dtensor executors)."""
+    return traced_a_dtensor()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,9 @@ from thunder_dtensor._integration.bootstrap import (
     thunder,
     tracectx,
 )
-from thunder_dtensor._integration.registry import acts_everywhere, expects_function, installer, patch
+from thunder_dtensor._integration.fixes.switches import EVERYWHERE, declare_fix, mode
+from thunder_dtensor._integration.program_scope import IN_THUNDERFX_DTENSOR_CALL as _IN_DTENSOR_CALL
+from thunder_dtensor._integration.registry import expects_function, installer, patch
 
 import torch
 
@@ -80,6 +81,12 @@ def trace_on_proxies(fn: Callable, make_inputs: Callable[[], tuple[tuple, dict]]
     return run()
 
 
+SCOPED_THUNDERFX_REASON = (
+    "thunderfx's splitter and compiler as this package runs them (each graph compiled to Python before thunder.jit "
+    "sees it, node decisions cached by call signature, complex views and sdpa_kernel kept in thunder's graph)"
+)
+
+
 @installer("dtensor", "thunderfx's splitter hands graphs with DTensors to thunder.jit whole")
 def install_thunderfx_support(
     dtensor_node_support: Callable,
@@ -113,11 +120,12 @@ def install_thunderfx_support(
     import thunder.dynamo.utils as fx_utils
 
     thunder_node_support = fx_utils.is_node_supported_by_thunder
+    declare_fix("thunderfx_graphs", "dtensor", SCOPED_THUNDERFX_REASON)
 
     def of_dtensor_program(graph: torch.fx.Graph) -> bool:
         in_dtensor_call = _IN_DTENSOR_CALL.get()
         return (
-            acts_everywhere("thunderfx_graphs")
+            mode("thunderfx_graphs") == EVERYWHERE
             or is_dtensor_graph(graph)
             or (in_dtensor_call is not None and in_dtensor_call())
         )
@@ -190,13 +198,6 @@ def install_thunderfx_support(
 
     wrapped_call = expects_function((dynamo, "thunder_dtensor"), "self")  # thunder's, or our wrapper of it
     patch(fx_compiler.ThunderFXCompiledObject, "__call__", call_noting_dtensors, expects=wrapped_call)
-
-
-#: during a call of a thunderfx-compiled function: whether it runs a DTensor program, asked lazily (a steady-state
-#: call compiles nothing and pays nothing for the question; see install_thunderfx_support)
-_IN_DTENSOR_CALL: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
-    "thunder_dtensor_in_call", default=None
-)
 
 
 @installer("dtensor", "DTensor gets sharding rules for ops it lacks only while a thunderfx program is called")

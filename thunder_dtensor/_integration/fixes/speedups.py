@@ -12,12 +12,12 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from thunder_dtensor._integration.fixes.scoped_entries import add_scoped_lookaside
+from thunder_dtensor._integration.fixes.switches import active, switched
+from thunder_dtensor._integration.program_scope import add_first_executor
 from thunder_dtensor._integration.registry import (
     INTERPRETER_LOOKASIDES,
-    JIT_LOOKASIDES,
     OPCODE_HANDLERS,
-    add_executor,
-    expects_absent,
     expects_function,
     expects_identical,
     installer,
@@ -138,22 +138,8 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
                 output = result
         return output
 
-    patch(lookasides, call_impl, module_call, table=JIT_LOOKASIDES, expects=expects_absent)
-
-
-def tensor_parallel_style_functions() -> dict[str, Callable]:
-    """torch's tensor-parallel style functions that its module hooks call, by ``Class.function`` (torch 2.13)."""
-    from torch.distributed.tensor.parallel import style
-
-    names = {
-        "ColwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),
-        "RowwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),
-        "SequenceParallel": ("_prepare_input_fn", "_prepare_output_fn"),
-        "PrepareModuleInput": ("_prepare_input_fn", "_prepare_input_arg"),
-        "PrepareModuleOutput": ("_prepare_out_fn",),
-    }
-    # staticmethods come out of the class dict as plain functions; methods are plain functions there already
-    return {f"{cls}.{fn}": getattr(getattr(style, cls), fn) for cls, fns in names.items() for fn in fns}
+    assert call_impl not in lookasides, "thunder has a lookaside for Module._wrapped_call_impl now"
+    add_scoped_lookaside("dispatch_module_calls_outside_the_interpreter", call_impl, module_call)
 
 
 def _interpretable_copy(fn: types.FunctionType) -> types.FunctionType:
@@ -162,45 +148,6 @@ def _interpretable_copy(fn: types.FunctionType) -> types.FunctionType:
     copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
-
-
-def register_lookaside(
-    fn: Callable,
-    lookaside: Callable,
-    *,
-    applies: Callable[..., bool] | None = None,
-    self_attributes: tuple[str, ...] = (),
-) -> None:
-    """Calls of ``fn`` in jitted code run ``lookaside`` whole, on unwrapped values (proxies), instead.
-
-    ``applies`` (given the same unwrapped arguments) can decline a call: ``fn``'s own code is interpreted then.
-    Called inside an installer (it patches thunder's lookaside table).
-    ``self_attributes``: ``fn`` is a method whose object can change between calls (a style object a user
-    edits); the lookaside gets, in place of that object, a namespace of these attributes read through the
-    interpreter, so the prologue checks them as it would had ``fn`` been interpreted.
-    """
-    from thunder.core import interpreter, jit_ext
-
-    wrapped = jit_ext.interpreter_needs_wrap(lookaside)
-    interpreted = _interpretable_copy(fn)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if applies is not None:
-            unwrapped = {k: interpreter.unwrap(v) for k, v in kwargs.items()}
-            if not applies(*(interpreter.unwrap(a) for a in args), **unwrapped):
-                return interpreter._interpret_call(interpreted, *args, **kwargs)
-        if self_attributes:
-            attributes = {}
-            for name in self_attributes:
-                value = _read_through_interpreter(args[0], name)
-                if value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
-                    return value
-                attributes[name] = interpreter.unwrap(value)
-            args = (interpreter.wrap_const(types.SimpleNamespace(**attributes)), *args[1:])
-        return wrapped(*args, **kwargs)
-
-    lookaside_of_fn = wrapped if applies is None and not self_attributes else run
-    patch(jit_ext._general_jit_lookaside_map, fn, lookaside_of_fn, table=JIT_LOOKASIDES, expects=expects_absent)
 
 
 @installer("speedup", "functools.partial objects are called without interpreting thunder's helper for them")
@@ -231,6 +178,7 @@ def call_partials_outside_the_interpreter() -> None:
         return interpreter._interpret_call(func, *bound.item_wrappers, *args, **kwargs)
 
     expects = expects_function("thunder.core.interpreter", "partial_object")
+    partial_call = switched("call_partials_outside_the_interpreter", partial_call, thunder_partial_call)
     patch(lookasides, functools.partial.__call__, partial_call, table=INTERPRETER_LOOKASIDES, expects=expects)
 
 
@@ -245,14 +193,17 @@ _UNPACKED_SEQUENCES = (list, tuple)
 _DIRECT_PATHS = [True]
 
 
-def _module_computing_once(module: types.ModuleType, name: str, compute: Callable, key_type: type) -> types.ModuleType:
+def _module_computing_once(
+    module: types.ModuleType, name: str, compute: Callable, key_type: type, fix: str
+) -> types.ModuleType:
     """``module``'s namespace as one of thunder's modules sees it, with ``name(x)`` computed once per ``x``
-    (``compute(x)``, LRU) for a hashable ``x`` of ``key_type`` passed alone; other calls run ``module.name``."""
+    (``compute(x)``, LRU) for a hashable ``x`` of ``key_type`` passed alone, where ``fix`` is active; other calls
+    run ``module.name``."""
     original = getattr(module, name)
     cached = functools.lru_cache(maxsize=4096)(compute)
 
     def once(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs or not isinstance(x, key_type):
+        if args or kwargs or not isinstance(x, key_type) or not active(fix):
             return original(x, *args, **kwargs)
         try:
             hash(x)
@@ -275,7 +226,11 @@ def _dis_disassembling_once_per_code() -> types.ModuleType:
     import dis
 
     return _module_computing_once(
-        dis, "get_instructions", lambda code: tuple(dis.get_instructions(code)), types.CodeType
+        dis,
+        "get_instructions",
+        lambda code: tuple(dis.get_instructions(code)),
+        types.CodeType,
+        "run_interpreter_helpers_directly",
     )
 
 
@@ -288,7 +243,9 @@ def bind_symbols_with_cached_signatures() -> None:
 
     from thunder.core import symbol
 
-    view = _module_computing_once(inspect, "signature", inspect.signature, object)
+    view = _module_computing_once(
+        inspect, "signature", inspect.signature, object, "bind_symbols_with_cached_signatures"
+    )
     patch(symbol, "inspect", view, expects=expects_identical(inspect))
 
 
@@ -341,6 +298,7 @@ def run_interpreter_helpers_directly() -> None:
         runtime = interpreter.get_interpreterruntimectx()
         return (
             _DIRECT_PATHS[0]
+            and active("run_interpreter_helpers_directly")
             and interpreter.get_interpretercompilectx()._with_provenance_tracking
             and not runtime._record_history
             and runtime.debug_log is None
@@ -503,7 +461,6 @@ def _eager_kernels_executor() -> Any:
     from thunder.extend import OperatorExecutor
 
     ex = OperatorExecutor(EAGER_KERNELS_EXECUTOR_NAME)
-    add_executor(ex)
     aten = torch.ops.aten
 
     def same(a: Any, *args: Any, **kwargs: Any) -> Any:
@@ -727,32 +684,16 @@ def _register_complex_views(ex: Any) -> None:
     )
 
 
-def _a_list_of_executors(original: Any) -> str | None:
-    from thunder.extend import Executor
-
-    if isinstance(original, list) and all(isinstance(e, Executor) for e in original):
-        if not any(e.name == EAGER_KERNELS_EXECUTOR_NAME for e in original):
-            return None
-    return "thunder.extend's list of default executors, without ours"
-
-
 @installer("speedup", "gelu, silu, layer_norm, complex views and causal SDPA on CPU train with torch's kernels")
 def run_cpu_ops_with_torch_kernels() -> None:
-    """Put an executor first among thunder's default executors that claims ``gelu``, ``silu`` and
+    """Put an executor first among a program's executors (where this fix is active and the program did not pass
+    its own ``executors=``) that claims ``gelu``, ``silu`` and
     ``layer_norm`` of plain CPU tensors, forward and backward, with torch's kernels (see
     :func:`_eager_kernels_executor`), and ``view_as_complex`` / ``view_as_real`` with each other as gradients
     (:func:`_register_complex_views`), and attention without mask or dropout with torch's CPU flash kernel
     (:func:`_register_cpu_flash_attention`). Programs given an explicit ``executors=`` list keep it; other devices and
     DTensors are not claimed (nvFuser fuses the decompositions on GPUs)."""
-    import thunder.extend
-
-    executors = list(thunder.extend._default_executors)
-    patch(
-        thunder.extend,
-        "_default_executors",
-        [_eager_kernels_executor(), *executors],
-        expects=_a_list_of_executors,
-    )
+    add_first_executor("run_cpu_ops_with_torch_kernels", _eager_kernels_executor())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -773,7 +714,11 @@ class _TorchWithEmptyMetaTensors(types.ModuleType):
 
     @staticmethod
     def randn(*size: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") == "meta" and set(kwargs) <= {"device", "dtype", "requires_grad"}:
+        if (
+            kwargs.get("device") == "meta"
+            and set(kwargs) <= {"device", "dtype", "requires_grad"}
+            and active("make_autograd_dummies_without_random_numbers")
+        ):
             return torch.empty(*size, **kwargs)
         return torch.randn(*size, **kwargs)
 

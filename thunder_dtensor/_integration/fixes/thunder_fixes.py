@@ -38,12 +38,19 @@ from thunder_dtensor._integration.bootstrap import (
     pyval,
     thunder,
 )
+from thunder_dtensor._integration.fixes.scoped_entries import add_scoped_lookaside, add_scoped_method
+from thunder_dtensor._integration.fixes.switches import EVERYWHERE, IN_DTENSOR_PROGRAMS, active, mode, switched
+from thunder_dtensor._integration.program_scope import (
+    add_program_executor,
+    has_dtensor_inputs,
+    jitted_function_compile_data,
+    traced_a_dtensor,
+    wraps_jitted_functions_with_compile_data,
+)
 from thunder_dtensor._integration.registry import (
     BACKWARD_IMPLS,
     GRAD_RULES,
     JIT_LOOKASIDES,
-    TENSOR_METHODS,
-    add_executor,
     expects_absent,
     expects_function,
     expects_qualified,
@@ -221,18 +228,29 @@ def fix_complex_gradients() -> None:
     rules[pids.MATMUL] = _complex_or_real_rule(_complex_matmul_grad, grad_map[pids.MATMUL])
     rules[pids.LINEAR] = _complex_or_real_rule(_complex_linear_grad, grad_map[pids.LINEAR])
     rules[pids.REAL], rules[pids.IMAG] = _real_grad, _imag_grad
+    fix = "fix_complex_gradients"
     for prim_id, rule in rules.items():
         if prim_id in (pids.REAL, pids.IMAG):
-            expects = expects_absent
+            expects, original = expects_absent, _no_backward(prim_id)
         else:
             expects = expects_qualified(f"thunder.core.transforms.{_THUNDER_GRAD_RULES[prim_id.name]}")
-        patch(grad_map, prim_id, rule, table=GRAD_RULES, expects=expects)
+            original = grad_map[prim_id]
+        patch(grad_map, prim_id, switched(fix, rule, original), table=GRAD_RULES, expects=expects)
     for name in (*_HOLOMORPHIC_BACKWARD_IMPLS, *_COMPLEX_DERIVATIVES):
         prim_id = getattr(pids, name)
         backward = transforms.backward_impls[prim_id]
-        conjugating = _conjugating_backward(backward, _COMPLEX_DERIVATIVES.get(name))
+        conjugating = switched(fix, _conjugating_backward(backward, _COMPLEX_DERIVATIVES.get(name)), backward)
         expects = expects_qualified("thunder.core.transforms.<lambda>")  # thunder's one-line derivative
         patch(transforms.backward_impls, prim_id, conjugating, table=BACKWARD_IMPLS, expects=expects)
+
+
+def _no_backward(prim_id: Any) -> Callable:
+    """What thunder 0.2.6 does for a prim without a grad rule (``real``, ``imag``), where the fix is not active."""
+
+    def rule(*args: Any) -> Any:
+        raise NotImplementedError(f"Backward for {prim_id} is not implemented")
+
+    return rule
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -293,8 +311,10 @@ def install_sdpa_kernel_support(*, context: type, set_backends: Callable, check_
         attention._sdpa_kernel: set_backends,
         attention._backend_from_string: attention._backend_from_string,
     }
+    fix = "install_sdpa_kernel_support"
     for fn, impl in opaque.items():
-        patch(lookasides, fn, jit_ext.interpreter_needs_wrap(impl), table=JIT_LOOKASIDES, expects=expects_absent)
+        assert fn not in lookasides, f"thunder has a lookaside for {fn} now: see {fix}"
+        add_scoped_lookaside(fix, fn, jit_ext.interpreter_needs_wrap(impl))
 
     run_sdpa = lookasides[sdpa]
     check = jit_ext.interpreter_needs_wrap(check_sdpa_call)
@@ -305,7 +325,8 @@ def install_sdpa_kernel_support(*, context: type, set_backends: Callable, check_
         return run_sdpa(*args, **kwargs)
 
     wrapper = expects_qualified("thunder.core.interpreter.interpreter_needs_wrap.<locals>.wrapping_wrapper")
-    patch(lookasides, sdpa, checked_sdpa, table=JIT_LOOKASIDES, expects=wrapper)  # thunder's own lookaside
+    checked = switched(fix, checked_sdpa, run_sdpa)
+    patch(lookasides, sdpa, checked, table=JIT_LOOKASIDES, expects=wrapper)  # thunder's own lookaside
 
 
 @installer("thunder-fix", "an autocast a jitted function is called under applies to that call only")
@@ -320,41 +341,30 @@ def scope_ambient_autocast_to_each_call() -> None:
     that function's ``weakref_cd`` closure cell.
     """
     with_cache_info_ctx = thunder._with_cache_info_ctx
+    fix = "scope_ambient_autocast_to_each_call"
+
+    def applies(cd: Any, args: tuple, kwargs: dict) -> bool:  # this wrapper runs before the call is noted
+        chosen = mode(fix)
+        return chosen == EVERYWHERE or (
+            chosen == IN_DTENSOR_PROGRAMS and (traced_a_dtensor(cd) or has_dtensor_inputs(cd.fn, args, kwargs))
+        )
 
     def scoped(fn: Callable) -> Callable:
         wrapped = with_cache_info_ctx(fn)
-        names = fn.__code__.co_freevars
-        if "weakref_cd" not in names:  # not a jitted function's (thunderfx's splitter tests ops through it too)
+        weakref_cd = jitted_function_compile_data(fn)
+        if weakref_cd is None:  # not a jitted function's (thunderfx's splitter tests ops through it too)
             return wrapped
-        weakref_cd = fn.__closure__[names.index("weakref_cd")].cell_contents
 
         @functools.wraps(wrapped)
         def call(*args: Any, **kwargs: Any) -> Any:
             cd = weakref_cd()
-            if cd is not None:
+            if cd is not None and cd.autocast_stack.stack and applies(cd, args, kwargs):
                 cd.autocast_stack.stack.clear()
             return wrapped(*args, **kwargs)
 
         return call
 
-    patch(thunder, "_with_cache_info_ctx", scoped, expects=_wraps_jitted_functions_with_compile_data)
-
-
-def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield const
-            yield from _nested_code(const)
-
-
-def _wraps_jitted_functions_with_compile_data(original: Any) -> str | None:
-    """thunder 0.2.6's ``_with_cache_info_ctx(fn)``, which ``thunder.jit`` applies to a function of its own that
-    holds the compile data as the closure cell ``weakref_cd``."""
-    wanted = expects_function("thunder", "fn")(original)
-    jit_closures = {code.co_name: code.co_freevars for code in _nested_code(thunder.jit.__code__)}
-    if wanted is None and "weakref_cd" in jit_closures.get("get_computation_and_inputs", ()):
-        return None
-    return "thunder's _with_cache_info_ctx(fn), applied by thunder.jit to get_computation_and_inputs (weakref_cd)"
+    patch(thunder, "_with_cache_info_ctx", scoped, expects=wraps_jitted_functions_with_compile_data)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -380,6 +390,7 @@ def call_custom_autograd_functions_with_builtin_apply() -> None:
         owner = getattr(fn, "__self__", None)
         if (
             type(fn) is types.BuiltinMethodType
+            and active("call_custom_autograd_functions_with_builtin_apply")
             and isinstance(owner, type)
             and issubclass(owner, function)
             and fn == builtin_apply.__get__(None, owner)  # apply itself, not another builtin of the class
@@ -423,6 +434,8 @@ def tolerate_sequences_that_cannot_be_iterated() -> None:
         try:
             return previous(fn, *args, **kwargs)
         except Exception:  # the tensor search of thunder's lookup, before it has any effect
+            if not active("tolerate_sequences_that_cannot_be_iterated"):
+                raise
             readable = [a for a in args if not _cannot_iterate(getattr(a, "value", None))]
             if len(readable) == len(args):
                 raise
@@ -466,6 +479,8 @@ def replay_the_state_the_program_leaves() -> None:
         )
 
     def process(ctx: Any, epilogue_trace: Any) -> Any:
+        if not active("replay_the_state_the_program_leaves"):
+            return original(ctx, epilogue_trace)
         for written in list(ctx._additional_outputs):
             records, held = ctx._additional_outputs[written], written.value
             if not isinstance(held, dict):
@@ -522,6 +537,7 @@ def register_gradient_hooks_on_real_tensors() -> None:
             interpreter.unwrap(name) in GRADIENT_HOOK_METHODS
             and isinstance(interpreter.unwrap(obj), TensorProxy)
             and isinstance(real, torch.Tensor)
+            and active("register_gradient_hooks_on_real_tensors")
         ):
             method = getattr(real, interpreter.unwrap(name))
             record = interpreter.ProvenanceRecord(
@@ -550,7 +566,8 @@ def register_gradient_hooks_on_real_tensors() -> None:
     patch(lookasides, getattr, getattr_lookaside, table=JIT_LOOKASIDES, expects=expects)
     for name in GRADIENT_HOOK_METHODS:
         method = getattr(torch.Tensor, name)
-        patch(lookasides, method, run_on_the_tensor(method), table=JIT_LOOKASIDES, expects=expects_absent)
+        assert method not in lookasides, f"thunder has a lookaside for {name} now"
+        add_scoped_lookaside("register_gradient_hooks_on_real_tensors", method, run_on_the_tensor(method))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -579,9 +596,10 @@ def give_meta_tensors_a_stride() -> None:
     from thunder.core import jit_ext
     from thunder.torch.langctx import _method_name_to_fn_map
 
-    patch(_method_name_to_fn_map, "stride", _meta_stride, table=TENSOR_METHODS, expects=expects_absent)
-    lookasides, run_whole = jit_ext._general_jit_lookaside_map, jit_ext.interpreter_needs_wrap(_meta_stride)
-    patch(lookasides, _meta_stride, run_whole, table=JIT_LOOKASIDES, expects=expects_absent)  # not interpreted
+    fix = "give_meta_tensors_a_stride"
+    assert "stride" not in _method_name_to_fn_map, f"thunder maps Tensor.stride now: see {fix}"
+    add_scoped_method(fix, "stride", _meta_stride)
+    add_scoped_lookaside(fix, _meta_stride, jit_ext.interpreter_needs_wrap(_meta_stride))  # not interpreted
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -620,7 +638,9 @@ def keep_named_members_in_order() -> None:
         return interpreter._interpret_call(members, interpreter.wrap(names, provenance=record))
 
     expects = expects_function("thunder.core.jit_ext", "model", "named_member_method", "get_member_method")
-    patch(jit_ext, "_get_torch_nn_module_named_members_lookaside", named_members, expects=expects)
+    original = jit_ext._get_torch_nn_module_named_members_lookaside
+    in_order = switched("keep_named_members_in_order", named_members, original)
+    patch(jit_ext, "_get_torch_nn_module_named_members_lookaside", in_order, expects=expects)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -679,7 +699,8 @@ def keep_saved_tensors_from_in_place_writes() -> None:
         return clone_saved_tensors_before_overwrites(forward_trace), backward_trace
 
     expects = expects_function("thunder.transforms.autodiff", "joint_trace")
-    patch(autodiff, "split_into_forward_and_backward", split_keeping_saved_values, expects=expects)
+    keeping = switched("keep_saved_tensors_from_in_place_writes", split_keeping_saved_values, split)
+    patch(autodiff, "split_into_forward_and_backward", keeping, expects=expects)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -706,7 +727,10 @@ def name_opaque_arguments_of_traced_functions() -> None:
     def expects(original: Any) -> str | None:
         return expects_function("thunder.core.codeutils", "name", "args")(getattr(original, "__func__", original))
 
-    patch(codeutils.SigInfo, "from_name_and_args", staticmethod(from_name_and_args), expects=expects)
+    naming = switched(
+        "name_opaque_arguments_of_traced_functions", from_name_and_args, codeutils.SigInfo.from_name_and_args
+    )
+    patch(codeutils.SigInfo, "from_name_and_args", staticmethod(naming), expects=expects)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -749,13 +773,13 @@ def run_torch_custom_ops() -> None:
     of an op with several outputs raises torch's."""
     from thunder_dtensor._integration.thunder_hooks import register_grad as register_own_grad
 
-    from thunder.core import jit_ext
+    from thunder.core import interpreter, jit_ext
     from thunder.torch.custom_op import _get_meta_function_from
 
-    executor = OperatorExecutor("torch_custom_ops")
-    add_executor(executor, always=True)
+    executor = OperatorExecutor("torch_custom_ops")  # joins the executors of a program that calls such an op
     lookasides = jit_ext._general_jit_lookaside_map
     previous = lookasides[torch._ops.OpOverloadPacket.__call__]
+    symbols: dict[Any, Any] = {}  # the op packet -> its symbol (thunder's torch map is left as it is)
 
     def make_symbol(packet: Any, opdef: Any) -> Any:
         name = packet._qualified_op_name.replace("::", "_")
@@ -780,21 +804,23 @@ def run_torch_custom_ops() -> None:
     def call(packet_wrapper: Any, *args: Any, **kwargs: Any) -> Any:
         import inspect
 
-        from thunder.core import interpreter
         from torch._library.custom_ops import OPDEFS
 
         packet = interpreter.unwrap(packet_wrapper)
         opdef = OPDEFS.get(getattr(packet, "_qualified_op_name", ""))
-        if opdef is None or opdef._abstract_fn is None:
+        if opdef is None or opdef._abstract_fn is None or packet in ltorch._torch_to_thunder_function_map:
             return previous(packet_wrapper, *args, **kwargs)
-        mapped = ltorch._torch_to_thunder_function_map
-        if packet not in mapped:
-            mapped[packet] = make_symbol(packet, opdef)
+        if packet not in symbols:
+            symbols[packet] = make_symbol(packet, opdef)
+        add_program_executor(executor)
         bound = inspect.signature(opdef._init_fn).bind(*args, **kwargs)  # positional, as the grad rule takes them
         bound.apply_defaults()
-        return previous(packet_wrapper, *bound.args)
+        output = symbols[packet](*(interpreter.unwrap(a) for a in bound.args))
+        record = interpreter.ProvenanceRecord(interpreter.PseudoInst.LOOKASIDE, inputs=[packet_wrapper.provenance])
+        return interpreter.wrap(output, provenance=record)
 
     expects = expects_function("thunder.core.jit_ext", "wrapped_opoverload_packet")
+    call = switched("run_torch_custom_ops", call, previous)
     patch(lookasides, torch._ops.OpOverloadPacket.__call__, call, table=JIT_LOOKASIDES, expects=expects)
 
 
@@ -842,6 +868,8 @@ def answer_requires_grad_of_computed_values() -> None:
         value = previous_getattr(obj, name, *maybe_default)
         if interpreter.unwrap(name) != "requires_grad" or value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
             return value
+        if not active("answer_requires_grad_of_computed_values"):
+            return value
         proxy = interpreter.unwrap(obj)
         if not isinstance(proxy, TensorProxy) or interpreter.unwrap(value) or proxy.requires_grad:
             return value
@@ -880,4 +908,5 @@ def keep_complex_tensors_out_of_torch_compile_regions() -> None:
         return not _touches_complex_tensors(bsym) and can_execute(self, bsym)
 
     inherited = expects_qualified("thunder.extend.Executor.can_execute", "self", "bsym")
-    patch(TorchCompileExecutor, "can_execute", real_tensors_only, expects=inherited)
+    scoped = switched("keep_complex_tensors_out_of_torch_compile_regions", real_tensors_only, can_execute)
+    patch(TorchCompileExecutor, "can_execute", scoped, expects=inherited)

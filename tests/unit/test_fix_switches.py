@@ -1,0 +1,75 @@
+"""Each fix to thunder acts where its switch says: by default within DTensor programs only, so a plain program
+compiles as thunder alone compiles it (thunder's failure included); switched on everywhere, the same program
+works; switched off, thunder's behaviour again. The reproducers are the smallest plain-thunder ones
+(``test_thunder_fixes_for_models``)."""
+
+import re
+
+import pytest
+import test_thunder_fixes_for_models as reproducers
+import thunder
+import torch
+
+from thunder_dtensor import _integration, fixes
+
+#: fix -> (its plain-thunder reproducer, what thunder 0.2.6 alone raises on it)
+FAILING_WITHOUT = {
+    "give_meta_tensors_a_stride": (reproducers._meta_stride, "Unknown attribute stride"),
+    "register_gradient_hooks_on_real_tensors": (
+        reproducers._register_a_hook,
+        "Unknown attribute register_post_accumulate_grad_hook",
+    ),
+    "tolerate_sequences_that_cannot_be_iterated": (reproducers._make_a_sequence, "object has no attribute '_count'"),
+    "replay_the_state_the_program_leaves": (reproducers._set_then_reset, "trying to set .collected"),
+    "run_torch_custom_ops": (reproducers._call_a_custom_op, "scaled_rows is not registered"),
+}
+if not _integration.FUNCTION_APPLY_IS_BUILTIN:  # (torch >= 2.14 fails earlier, at any custom Function)
+    FAILING_WITHOUT["name_opaque_arguments_of_traced_functions"] = (
+        reproducers._custom_function_given_an_object,
+        "expected str instance, method found",
+    )
+
+
+@pytest.mark.parametrize("name", sorted(FAILING_WITHOUT))
+def test_a_fix_acts_on_plain_programs_only_when_switched_on_everywhere(name):
+    program, thunders_error = FAILING_WITHOUT[name]
+    assert fixes.mode(name) == fixes.IN_DTENSOR_PROGRAMS
+    with pytest.raises(Exception, match=re.escape(thunders_error)):  # a plain program: thunder's own failure
+        thunder.jit(program)(torch.randn(4, 3))
+    with fixes.enabled(name, everywhere=True):
+        torch.testing.assert_close(thunder.jit(program)(torch.randn(4, 3) * 0 + 1), program(torch.ones(4, 3)))
+    with fixes.enabled("all", everywhere=True), fixes.disabled(name):  # only this one off: thunder's failure
+        with pytest.raises(Exception, match=re.escape(thunders_error)):
+            thunder.jit(program)(torch.randn(4, 3))
+
+
+def test_a_silently_wrong_gradient_is_fixed_only_where_switched_on():
+    """``v /= v.sum()`` after ``v`` was saved: thunder alone gives a wrong gradient, silently."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+
+    def gradient() -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        thunder.jit(reproducers._normalize_in_place)(leaf).sum().backward()
+        return leaf.grad
+
+    leaf = x.clone().requires_grad_()
+    reproducers._normalize_in_place(leaf).sum().backward()
+    assert (gradient() - leaf.grad).abs().max() > 1e-3  # plain program: thunder's gradient
+    with fixes.enabled("keep_saved_tensors_from_in_place_writes", everywhere=True):
+        torch.testing.assert_close(gradient(), leaf.grad)
+
+
+def test_switches_name_their_fixes():
+    listing = fixes.listing()
+    assert {kind for kind, _, _ in listing.values()} == {"dtensor", "thunder-fix", "speedup"}
+    with pytest.raises(ValueError, match="unknown fixes"):
+        fixes.enable("no_such_fix")
+    with pytest.raises(ValueError, match="needed by DTensor programs"):
+        fixes.disable("thunderfx_graphs")
+    with fixes.enabled("keep_named_members_in_order", everywhere=True):
+        assert fixes.mode("keep_named_members_in_order") == fixes.EVERYWHERE
+        with fixes.disabled("keep_named_members_in_order"):
+            assert not fixes.active("keep_named_members_in_order")
+    assert fixes.mode("keep_named_members_in_order") == fixes.IN_DTENSOR_PROGRAMS
+    assert not fixes.active("keep_named_members_in_order")  # no program is being compiled

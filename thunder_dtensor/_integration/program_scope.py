@@ -1,0 +1,211 @@
+"""Which programs are DTensor programs: the scope of everything this package changes in thunder.
+
+A program is a DTensor program when the call being compiled has a DTensor among its arguments, is a module
+with DTensor parameters or buffers (tensor parallelism, FSDP2), runs inside a thunderfx call that does, or
+traced a DTensor (its executors list then holds the dtensor executors). DTensor machinery and, by default,
+the thunder fixes of :mod:`thunder_dtensor._integration.fixes` act within such programs only; every other
+program compiles as thunder alone compiles it.
+
+The answer for a call is computed when something first asks during that call's compilation (a call that hits
+thunder's cache asks nothing) and kept for the rest of the call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from thunder_dtensor._integration.registry import expects_function, installer, patch
+
+import torch
+
+#: the executors of dtensor prims: a program's executors list gets them when it traces a DTensor
+_DTENSOR_EXECUTORS: list[Any] = []
+
+
+def add_dtensor_executor(executor: Any) -> None:
+    """``executor`` runs dtensor prims: programs that trace a DTensor get it after their own executors, whatever
+    executors the user passed (as thunder's always executors); other programs never see it."""
+    _DTENSOR_EXECUTORS.append(executor)
+
+
+def dtensor_executors() -> tuple[Any, ...]:
+    return tuple(_DTENSOR_EXECUTORS)
+
+
+def _compile_data() -> Any:
+    from thunder.core.compile_data import get_compile_data
+
+    return get_compile_data()
+
+
+def _has_dtensor_executors(cd: Any) -> bool:
+    return bool(_DTENSOR_EXECUTORS) and _DTENSOR_EXECUTORS[0] in cd.executors_list
+
+
+def traced_a_dtensor(cd: Any = None) -> bool:
+    """Whether the program being compiled (or ``cd``'s) traced a DTensor (its executors list has the dtensor
+    executors)."""
+    cd = cd if cd is not None else _compile_data()
+    return cd is not None and _has_dtensor_executors(cd)
+
+
+def use_dtensor_executors() -> None:
+    """The program being compiled traces a DTensor: add the dtensor executors to its executors list (once), and
+    the fixes' first executors where they act in DTensor programs."""
+    from thunder.extend import add_executor_lists
+
+    cd = _compile_data()
+    if cd is not None and _DTENSOR_EXECUTORS and not _has_dtensor_executors(cd):
+        cd.executors_list = add_executor_lists(cd.executors_list, _DTENSOR_EXECUTORS)
+        _add_first_executors(cd, everywhere_only=False)
+
+
+#: (fix, executor): put first among a program's default executors where the fix acts
+_FIRST_EXECUTORS: list[tuple[str, Any]] = []
+
+
+def add_first_executor(fix: str, executor: Any) -> None:
+    """Where ``fix`` acts, ``executor`` goes first among the executors of a program that did not choose its own."""
+    _FIRST_EXECUTORS.append((fix, executor))
+
+
+def _add_first_executors(cd: Any, *, everywhere_only: bool) -> None:
+    from thunder_dtensor._integration.fixes.switches import EVERYWHERE, OFF, mode
+
+    from thunder.extend import get_default_executors
+
+    for fix, executor in _FIRST_EXECUTORS:
+        chosen = mode(fix)
+        if chosen == OFF or (everywhere_only and chosen != EVERYWHERE) or executor in cd.executors_list:
+            continue
+        executors = list(cd.executors_list)
+        ad_hoc = 0  # thunder.jit puts an executor of its own (``__ad_hoc_executor_...``) first
+        while ad_hoc < len(executors) and executors[ad_hoc].name.startswith("__ad_hoc_executor"):
+            ad_hoc += 1
+        defaults = list(get_default_executors())
+        if executors[ad_hoc : ad_hoc + len(defaults)] == defaults:  # thunder's defaults, not the user's choice
+            cd.executors_list = (*executors[:ad_hoc], executor, *executors[ad_hoc:])
+
+
+def add_program_executor(executor: Any) -> None:
+    """The program being compiled uses ``executor`` (a fix's): it joins its executors list, after its own."""
+    from thunder.extend import add_executor_lists
+
+    cd = _compile_data()
+    if cd is not None and executor not in cd.executors_list:
+        cd.executors_list = add_executor_lists(cd.executors_list, [executor])
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
+    """A DTensor among ``args`` / ``kwargs``, or ``fn`` a module with DTensor parameters or buffers."""
+    if not torch.distributed.is_available():
+        return False
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    if any(_is_dtensor(v) for v in leaves):
+        return True
+    module = getattr(fn, "_model", fn)  # a ThunderModule's user module
+    if isinstance(module, torch.nn.Module):
+        return any(_is_dtensor(t) for t in (*module.parameters(), *module.buffers()))
+    return False
+
+
+class _Call:
+    """One call of a jitted function: its arguments, and the answer once asked."""
+
+    __slots__ = ("answer", "args", "cd", "kwargs")
+
+    def __init__(self, cd: Any, args: tuple, kwargs: dict) -> None:
+        self.cd, self.args, self.kwargs, self.answer = cd, args, kwargs, None
+
+    def has_dtensor_inputs(self) -> bool:
+        if self.answer is None:
+            self.answer = self.cd is not None and has_dtensor_inputs(self.cd.fn, self.args, self.kwargs)
+        return self.answer
+
+
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("thunder_dtensor_call", default=None)
+#: during a call of a thunderfx-compiled function: whether it runs a DTensor program, asked lazily
+IN_THUNDERFX_DTENSOR_CALL: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
+    "thunder_dtensor_in_call", default=None
+)
+
+
+def in_dtensor_program() -> bool:
+    """Whether the program being compiled (or the thunderfx call running) is a DTensor program."""
+    cd = _compile_data()
+    if cd is not None and _has_dtensor_executors(cd):
+        return True
+    call = _CALL.get()
+    if call is not None and (cd is None or call.cd is cd):  # compiling this call's program, or running it
+        if call.answer or (call.cd is not None and _has_dtensor_executors(call.cd)) or call.has_dtensor_inputs():
+            return True
+    in_thunderfx_call = IN_THUNDERFX_DTENSOR_CALL.get()
+    return in_thunderfx_call is not None and in_thunderfx_call()
+
+
+def jitted_function_compile_data(fn: Callable) -> Callable[[], Any] | None:
+    """The ``weakref_cd`` closure cell of a jitted function's ``get_computation_and_inputs`` (None for others)."""
+    names = fn.__code__.co_freevars
+    if "weakref_cd" not in names:  # not a jitted function's (thunderfx's splitter tests ops through it too)
+        return None
+    return fn.__closure__[names.index("weakref_cd")].cell_contents
+
+
+def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield const
+            yield from _nested_code(const)
+
+
+def wraps_jitted_functions_with_compile_data(original: Any) -> str | None:
+    """thunder 0.2.6's ``_with_cache_info_ctx(fn)``, which ``thunder.jit`` applies to a function of its own that
+    holds the compile data as the closure cell ``weakref_cd`` (or a wrapper of ours over it)."""
+    import thunder
+
+    wanted = expects_function(("thunder", "thunder_dtensor"), "fn")(original)
+    jit_closures = {code.co_name: code.co_freevars for code in _nested_code(thunder.jit.__code__)}
+    if wanted is None and "weakref_cd" in jit_closures.get("get_computation_and_inputs", ()):
+        return None
+    return "thunder's _with_cache_info_ctx(fn), applied by thunder.jit to get_computation_and_inputs (weakref_cd)"
+
+
+@installer("dtensor", "each call of a jitted function is noted, so that what asks can tell a DTensor program")
+def note_each_call() -> None:
+    """``thunder._with_cache_info_ctx``, which wraps each jitted function's ``get_computation_and_inputs`` when
+    ``thunder.jit`` builds it, notes each call's compile data and arguments for :func:`in_dtensor_program`
+    (no work unless something asks)."""
+    import thunder
+
+    with_cache_info_ctx = thunder._with_cache_info_ctx
+
+    def noting(fn: Callable) -> Callable:
+        wrapped = with_cache_info_ctx(fn)
+        weakref_cd = jitted_function_compile_data(fn)
+        if weakref_cd is None:
+            return wrapped
+
+        @functools.wraps(wrapped)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            cd = weakref_cd()
+            if _FIRST_EXECUTORS and cd is not None:
+                _add_first_executors(cd, everywhere_only=True)
+            token = _CALL.set(_Call(cd, args, kwargs))
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                _CALL.reset(token)
+
+        return call
+
+    patch(thunder, "_with_cache_info_ctx", noting, expects=wraps_jitted_functions_with_compile_data)

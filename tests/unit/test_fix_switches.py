@@ -5,12 +5,12 @@ works; switched off, thunder's behaviour again. The reproducers are the smallest
 
 import re
 
+from thunder_dtensor import _integration, fixes
+
 import pytest
 import test_thunder_fixes_for_models as reproducers
 import thunder
 import torch
-
-from thunder_dtensor import _integration, fixes
 
 #: fix -> (its plain-thunder reproducer, what thunder 0.2.6 alone raises on it)
 FAILING_WITHOUT = {

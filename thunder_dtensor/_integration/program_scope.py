@@ -119,6 +119,13 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def holds_dtensors(values: tuple) -> bool:
+    """A DTensor among ``values``, or a module among them with DTensor parameters or buffers."""
+    return has_dtensor_inputs(None, values, {}) or any(
+        isinstance(v, torch.nn.Module) and has_dtensor_inputs(v, (), {}) for v in values
+    )
+
+
 class _Call:
     """One call of a jitted function: its arguments, and the answer once asked."""
 

@@ -454,7 +454,17 @@ _UNPACKED_BY_THUNDER = {"training", "_parameters", "_buffers", "_modules"}
 _WRAPPER_SHADOWED_MODULE_STATE = frozenset(vars(torch.nn.Module())) - _UNPACKED_BY_THUNDER
 
 
-@installer("dtensor", "the prologue reads the jitted module's hook dicts from the user's module, not its wrapper's")
+def _has_parallel_style_hooks(module: torch.nn.Module) -> bool:
+    """Hooks of torch's tensor-parallel styles on ``module``: its program makes DTensors before it traces one."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for hook in hooks.values():
+            fn = getattr(hook, "func", hook)
+            if getattr(fn, "__module__", "").startswith("torch.distributed.tensor.parallel"):
+                return True
+    return False
+
+
+@installer("dtensor", "the prologue reads a jitted module's hook dicts from the user's module")
 def read_root_module_state_from_user_module() -> None:
     """Make the prologue read the jitted module's hook dicts from that module, not from its ``ThunderModule``.
 
@@ -477,7 +487,10 @@ def read_root_module_state_from_user_module() -> None:
             value is not interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
             and isinstance(interpreter.unwrap(obj), torch.nn.Module)
             and interpreter.unwrap(name) in _WRAPPER_SHADOWED_MODULE_STATE
-            and active("read_root_module_state_from_user_module")
+            and (
+                active("read_root_module_state_from_user_module", interpreter.unwrap(obj))
+                or _has_parallel_style_hooks(interpreter.unwrap(obj))
+            )
         ):
             record = value.provenance
             if (

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from thunder_dtensor._integration.program_scope import in_dtensor_program
+from thunder_dtensor._integration.program_scope import holds_dtensors, in_dtensor_program
 
 IN_DTENSOR_PROGRAMS, EVERYWHERE, OFF = "dtensor-programs", "everywhere", "off"
 MODES = (IN_DTENSOR_PROGRAMS, EVERYWHERE, OFF)
@@ -60,10 +60,15 @@ def mode(name: str) -> str:
     return chosen or _MODES.get(name, IN_DTENSOR_PROGRAMS)
 
 
-def active(name: str) -> bool:
-    """Whether fix ``name`` acts here (asked by the patched slots, while thunder compiles)."""
+def active(name: str, *touched: Any) -> bool:
+    """Whether fix ``name`` acts here (asked by the patched slots, while thunder compiles). ``touched``: values the
+    slot is handed (a module whose parameters a program reads through a closure makes a DTensor program too)."""
     chosen = mode(name)
-    return chosen == EVERYWHERE or (chosen == IN_DTENSOR_PROGRAMS and in_dtensor_program())
+    if chosen == EVERYWHERE:
+        return True
+    if chosen == OFF:
+        return False
+    return in_dtensor_program() or (bool(touched) and holds_dtensors(touched))
 
 
 def _resolve(names: tuple[str, ...]) -> list[str]:

@@ -639,7 +639,13 @@ def keep_named_members_in_order() -> None:
 
     expects = expects_function("thunder.core.jit_ext", "model", "named_member_method", "get_member_method")
     original = jit_ext._get_torch_nn_module_named_members_lookaside
-    in_order = switched("keep_named_members_in_order", named_members, original)
+
+    def in_order(model: Any, named: Callable, get: Callable, *args: Any, **kwargs: Any) -> Any:
+        # a module read through a closure makes its program a DTensor program before any DTensor is traced
+        if active("keep_named_members_in_order", interpreter.unwrap(model)):
+            return named_members(model, named, get, *args, **kwargs)
+        return original(model, named, get, *args, **kwargs)
+
     patch(jit_ext, "_get_torch_nn_module_named_members_lookaside", in_order, expects=expects)
 
 

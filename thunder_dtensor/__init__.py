@@ -80,9 +80,9 @@ if DISTRIBUTED_AVAILABLE:
     # a cotangent placed otherwise than traced gets the backward traced for its placements, as eager's backward
     _integration.wrap_compiled_backwards(guards.backward_for_cotangent_placements)
 
-    from thunder_dtensor.thunderfx import dtensor_node_support, is_dtensor_call, is_dtensor_graph, plain_node_support
+    from thunder_dtensor.thunderfx import dtensor_node_support, is_dtensor_graph, plain_node_support
 
-    _integration.install_thunderfx_support(dtensor_node_support, plain_node_support, is_dtensor_graph, is_dtensor_call)
+    _integration.install_thunderfx_support(dtensor_node_support, plain_node_support, is_dtensor_graph)
 
     from thunder_dtensor import autocast
 

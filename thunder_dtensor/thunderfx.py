@@ -30,7 +30,7 @@ from thunder_dtensor.spec import as_traced_placement
 
 import torch
 
-__all__ = ["dtensor_node_support", "is_dtensor_call", "is_dtensor_graph", "plain_node_support"]
+__all__ = ["dtensor_node_support", "is_dtensor_graph", "plain_node_support"]
 
 #: graph -> whether a node of it touches a DTensor or a device mesh (asked once per node by the splitter)
 _DTENSOR_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -40,17 +40,6 @@ def _touches_dtensor(node: torch.fx.Node) -> bool:
     values = [node.meta.get("example_value"), *(ti.fx_example_value(a) for a in node.all_input_nodes)]
     leaves, _ = ti.torch_tree_flatten(values)
     return any(isinstance(v, ti.DTensor | ti.DeviceMesh) or ti.is_opaque_script_object(v) for v in leaves)
-
-
-def is_dtensor_call(fn: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a call of a thunderfx-compiled ``fn`` runs a DTensor program: a DTensor among its arguments, or
-    ``fn`` a module with DTensor parameters or buffers (FSDP2, tensor parallelism)."""
-    leaves, _ = ti.torch_tree_flatten((args, kwargs))
-    if any(isinstance(v, ti.DTensor) for v in leaves):
-        return True
-    if isinstance(fn, torch.nn.Module):
-        return any(isinstance(t, ti.DTensor) for t in (*fn.parameters(), *fn.buffers()))
-    return False
 
 
 def is_dtensor_graph(graph: torch.fx.Graph) -> bool:

@@ -32,26 +32,10 @@ if os.environ["MODE"] in ("package", "undone"):
         thunder_dtensor._integration.undo_all()
         assert thunder_dtensor._integration.installed() == []
 else:
-    names = ("align_as", "align_to", "has_names", "refine_names", "rename")
-    missing = [n for n in names if not hasattr(torch.Tensor, n)]
-    def placeholder(name):
-        def removed(*args, **kwargs):
-            raise AttributeError(name)
-        removed.__name__, removed.__qualname__ = name, f"Tensor.{name}"
-        return removed
-    for n in missing:
-        setattr(torch.Tensor, n, placeholder(n))
-    function = torch.autograd.function.Function
-    builtin_apply = None if hasattr(function.apply, "__func__") else vars(function)["apply"]
-    if builtin_apply is not None:
-        def apply(cls, *args, **kwargs):
-            return builtin_apply.__get__(None, cls)(*args, **kwargs)
-        function.apply = classmethod(apply)
+    from plain_thunder import import_plain_thunder  # (scripts/, on PYTHONPATH)
+
+    import_plain_thunder()
     import thunder
-    for n in missing:
-        delattr(torch.Tensor, n)
-    if builtin_apply is not None:
-        function.apply = builtin_apply
     assert not [m for m in sys.modules if m.startswith("thunder_dtensor")]
 
 from thunder.dynamo import thunderfx
@@ -121,8 +105,12 @@ print("RESULTS", json.dumps(results))
 """
 
 
+_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+
+
 def _start(mode: str) -> subprocess.Popen:
     env = {**os.environ, "MODE": mode, "PYTHONHASHSEED": "0"}  # thunder iterates sets: the same order in both
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SCRIPTS, env.get("PYTHONPATH")]))
     for switch in ("THUNDER_DTENSOR_THUNDER_FIXES", "THUNDER_DTENSOR_SPEEDUPS"):
         env.pop(switch, None)
     if mode == "package":

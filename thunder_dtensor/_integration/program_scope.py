@@ -32,10 +32,6 @@ def add_dtensor_executor(executor: Any) -> None:
     _DTENSOR_EXECUTORS.append(executor)
 
 
-def dtensor_executors() -> tuple[Any, ...]:
-    return tuple(_DTENSOR_EXECUTORS)
-
-
 def _compile_data() -> Any:
     from thunder.core.compile_data import get_compile_data
 
@@ -149,13 +145,13 @@ IN_THUNDERFX_DTENSOR_CALL: contextvars.ContextVar[Callable[[], bool] | None] = c
 
 def in_dtensor_program() -> bool:
     """Whether the program being compiled (or the thunderfx call running) is a DTensor program."""
-    cd = _compile_data()
+    cd, call = _compile_data(), _CALL.get()
+    if cd is None and call is not None:  # running this call's program (no compilation under way)
+        cd = call.cd
     if cd is not None and _has_dtensor_executors(cd):
         return True
-    call = _CALL.get()
-    if call is not None and (cd is None or call.cd is cd):  # compiling this call's program, or running it
-        if call.answer or (call.cd is not None and _has_dtensor_executors(call.cd)) or call.has_dtensor_inputs():
-            return True
+    if call is not None and call.cd is cd and call.has_dtensor_inputs():
+        return True
     in_thunderfx_call = IN_THUNDERFX_DTENSOR_CALL.get()
     return in_thunderfx_call is not None and in_thunderfx_call()
 

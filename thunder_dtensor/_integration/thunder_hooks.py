@@ -32,11 +32,6 @@ from thunder_dtensor._integration.bootstrap import (
     variableify,
 )
 from thunder_dtensor._integration.fixes.switches import active, declare_fix
-from thunder_dtensor._integration.program_scope import (  # noqa: F401  (re-exported)
-    add_dtensor_executor,
-    traced_a_dtensor,
-    use_dtensor_executors,
-)
 from thunder_dtensor._integration.registry import (
     GRAD_RULES,
     JIT_LOOKASIDES,
@@ -690,8 +685,3 @@ def wrap_compiled_backwards(wrap: Callable[[Any], Callable | None]) -> None:
         return None if {"backward_fn", "backward_traces"} <= fields else "a namedtuple with a backward_fn field"
 
     patch(thunder, "CacheEntry", CacheEntry, expects=namedtuple_with_a_backward)
-
-
-def is_dtensor_program() -> bool:
-    """Whether the program being compiled traced a DTensor (its executors list has the dtensor executors)."""
-    return traced_a_dtensor()

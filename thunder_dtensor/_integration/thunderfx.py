@@ -16,6 +16,7 @@ from thunder_dtensor._integration.bootstrap import (
 )
 from thunder_dtensor._integration.fixes.switches import EVERYWHERE, declare_fix, mode
 from thunder_dtensor._integration.program_scope import IN_THUNDERFX_DTENSOR_CALL as _IN_DTENSOR_CALL
+from thunder_dtensor._integration.program_scope import has_dtensor_inputs
 from thunder_dtensor._integration.registry import expects_function, installer, patch
 
 import torch
@@ -92,11 +93,10 @@ def install_thunderfx_support(
     dtensor_node_support: Callable,
     plain_node_support: Callable,
     is_dtensor_graph: Callable[[Any], bool],
-    is_dtensor_call: Callable[[Any, tuple, dict], bool],
 ) -> None:
     """Make thunderfx's splitter hand graphs with DTensors to thunder.jit whole. Only graphs of a DTensor
     program are touched: a graph with a DTensor or a mesh in it (``is_dtensor_graph(graph)``), or any graph
-    dynamo makes during a call of a thunderfx-compiled function for which ``is_dtensor_call(fn, args, kwargs)``
+    dynamo makes during a call of a thunderfx-compiled function for which ``has_dtensor_inputs(fn, args, kwargs)``
     (DTensor arguments, or a module with DTensor parameters: FSDP2's graphs hold its gathered plain
     parameters). Every other graph is split and compiled exactly as thunder does it.
 
@@ -187,7 +187,7 @@ def install_thunderfx_support(
 
         def in_dtensor_call() -> bool:  # asked only when dynamo compiles a graph during the call: once, then kept
             if not answer:
-                answer.append((outer is not None and outer()) or is_dtensor_call(self._func, args, kwargs))
+                answer.append((outer is not None and outer()) or has_dtensor_inputs(self._func, args, kwargs))
             return answer[0]
 
         token = _IN_DTENSOR_CALL.set(in_dtensor_call)

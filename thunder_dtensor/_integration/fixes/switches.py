@@ -139,5 +139,4 @@ def switched(name: str, fixed: Callable, original: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         return (fixed if active(name) else original)(*args, **kwargs)
 
-    call.__wrapped_original__ = original  # type: ignore[attr-defined]
     return call

@@ -6,7 +6,8 @@ another's warm caches (imports, thunder's tables, inductor's compile workers), w
 cache for torch.compile. Each variant runs under ``torchrun --nproc-per-node 2``; its time is the maximum
 over ranks, and the median of ``--repeat`` fresh processes, run round-robin over the variants (one for
 torch.compile, whose first call is 5-10x longer than thunder's). The reference is the same model
-*unsharded* under ``thunder.jit`` (what tensor parallelism adds).
+*unsharded* under ``thunder.jit`` (what tensor parallelism adds), with the package's fixes and speed-ups switched
+on everywhere (``thunder_dtensor.fixes.enable("all", everywhere=True)``), as thunder is for the sharded model.
 
 ``dynamo`` variants capture the model with dynamo and hand the graph back unchanged (a pass-through backend):
 the part of thunderfx's first call that is torch's, before thunder sees the graph. With each ``jit``
@@ -73,7 +74,7 @@ DESCRIPTIONS = {
 def worker(spec: str, json_path: str) -> None:
     """Build one model variant, time its first training step (max over ranks), write it to ``json_path``."""
     t_import = time.perf_counter()
-    import thunder_dtensor  # noqa: F401  (before thunder: makes thunder importable on torch >= 2.13)
+    import thunder_dtensor  # (before thunder: makes thunder importable on torch >= 2.13)
     from thunder_dtensor.testing import device_type, init_distributed, mesh_1d
     from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_tp, llama_loss
     from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize
@@ -86,6 +87,8 @@ def worker(spec: str, json_path: str) -> None:
     init_distributed(timeout_s=300.0)
     model_name, variant = spec.split(":", 1)
     front_end, parallelism = variant.split(":")
+    if parallelism == "unsharded":  # thunder as the sharded model meets it: the package's fixes act here too
+        thunder_dtensor.fixes.enable("all", everywhere=True)
     torch.manual_seed(0)
     if model_name == "gpt":
         cfg = GPTConfig(unfused_attention=device_type() == "cpu")

@@ -73,3 +73,26 @@ def test_switches_name_their_fixes():
             assert not fixes.active("keep_named_members_in_order")
     assert fixes.mode("keep_named_members_in_order") == fixes.IN_DTENSOR_PROGRAMS
     assert not fixes.active("keep_named_members_in_order")  # no program is being compiled
+
+
+def test_the_cpu_kernels_executor_goes_first_among_thunders_defaults_only():
+    """Where its fix acts, ``cpu_eager_kernels`` joins a program's list just before thunder's default executors
+    (after thunder.jit's ad hoc one, or a user's own executors put before the defaults), and a list without the
+    defaults stays the user's; thunder's default executors themselves never change."""
+    from thunder.extend import get_default_executors, get_executor
+
+    defaults = list(get_default_executors())
+    assert "cpu_eager_kernels" not in [e.name for e in defaults]
+
+    def names(executors):
+        jitted = thunder.jit(lambda x: torch.nn.functional.gelu(x), executors=executors)
+        torch.testing.assert_close(jitted(torch.ones(3)), torch.nn.functional.gelu(torch.ones(3)))
+        return [e.name for e in thunder.compile_data(jitted).executors_list if not e.name.startswith("__ad_hoc")]
+
+    default_names = [e.name for e in defaults]
+    assert "cpu_eager_kernels" not in names(None)  # a plain program, the fix in its default mode
+    with fixes.enabled("run_cpu_ops_with_torch_kernels", everywhere=True):
+        assert names(None)[: len(defaults) + 1] == ["cpu_eager_kernels", *default_names]
+        python = get_executor("python")
+        assert names([python, *defaults])[: len(defaults) + 2] == ["python", "cpu_eager_kernels", *default_names]
+        assert "cpu_eager_kernels" not in names([get_executor("torch")])

@@ -78,13 +78,13 @@ def _add_first_executors(cd: Any, *, everywhere_only: bool) -> None:
         chosen = mode(fix)
         if chosen == OFF or (everywhere_only and chosen != EVERYWHERE) or executor in cd.executors_list:
             continue
-        executors = list(cd.executors_list)
-        ad_hoc = 0  # thunder.jit puts an executor of its own (``__ad_hoc_executor_...``) first
-        while ad_hoc < len(executors) and executors[ad_hoc].name.startswith("__ad_hoc_executor"):
-            ad_hoc += 1
-        defaults = list(get_default_executors())
-        if executors[ad_hoc : ad_hoc + len(defaults)] == defaults:  # thunder's defaults, not the user's choice
-            cd.executors_list = (*executors[:ad_hoc], executor, *executors[ad_hoc:])
+        # where the program's list holds thunder's default executors (after thunder.jit's ad hoc executor, or the
+        # user's own: ``[torch_compile_ex, *thunder.get_default_executors()]``), first among them
+        executors, defaults = list(cd.executors_list), list(get_default_executors())
+        for i in range(len(executors) - len(defaults) + 1):
+            if executors[i : i + len(defaults)] == defaults:
+                cd.executors_list = (*executors[:i], executor, *executors[i:])
+                break
 
 
 def add_program_executor(executor: Any) -> None:

@@ -686,13 +686,12 @@ def _register_complex_views(ex: Any) -> None:
 
 @installer("speedup", "gelu, silu, layer_norm, complex views and causal SDPA on CPU train with torch's kernels")
 def run_cpu_ops_with_torch_kernels() -> None:
-    """Put an executor first among a program's executors (where this fix is active and the program did not pass
-    its own ``executors=``) that claims ``gelu``, ``silu`` and
-    ``layer_norm`` of plain CPU tensors, forward and backward, with torch's kernels (see
-    :func:`_eager_kernels_executor`), and ``view_as_complex`` / ``view_as_real`` with each other as gradients
-    (:func:`_register_complex_views`), and attention without mask or dropout with torch's CPU flash kernel
-    (:func:`_register_cpu_flash_attention`). Programs given an explicit ``executors=`` list keep it; other devices and
-    DTensors are not claimed (nvFuser fuses the decompositions on GPUs)."""
+    """Put an executor first among thunder's default executors in a program's list (where this fix is active)
+    that claims ``gelu``, ``silu`` and ``layer_norm`` of plain CPU tensors, forward and backward, with torch's
+    kernels (see :func:`_eager_kernels_executor`), and ``view_as_complex`` / ``view_as_real`` with each other as
+    gradients (:func:`_register_complex_views`), and attention without mask or dropout with torch's CPU flash
+    kernel (:func:`_register_cpu_flash_attention`). A program whose ``executors=`` list leaves out thunder's
+    defaults keeps it; other devices and DTensors are not claimed (nvFuser fuses the decompositions on GPUs)."""
     add_first_executor("run_cpu_ops_with_torch_kernels", _eager_kernels_executor())
 
 

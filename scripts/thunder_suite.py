@@ -51,6 +51,7 @@ def main() -> int:
     parser.add_argument("--out", default="thunder_suite_out")
     parser.add_argument("-k", default=None, help="pytest -k expression, for both modes")
     parser.add_argument("--plain-from", default=None, help="reuse the outcomes without the package from this --out")
+    parser.add_argument("--plain-only", action="store_true", help="run only without the package (for --plain-from)")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,8 @@ def main() -> int:
     runs = {}
     if args.plain_from:
         (out / "plain.xml").write_bytes((pathlib.Path(args.plain_from) / "plain.xml").read_bytes())
-    for mode in ("package",) if args.plain_from else ("plain", "package"):
+    modes = ("plain",) if args.plain_only else ("package",) if args.plain_from else ("plain", "package")
+    for mode in modes:
         env = {**os.environ, "THUNDER_SUITE_MODE": mode, "PYTHONPATH": str(SCRIPTS), "PYTHONHASHSEED": "0"}
         command = [
             sys.executable, "-m", "pytest", "-p", "thunder_suite_plugin", "-p", "no:cacheprovider", "-q",
@@ -71,6 +73,8 @@ def main() -> int:
         runs[mode] = subprocess.Popen(command, cwd=tests.parent.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
     for run in runs.values():
         run.wait()
+    if args.plain_only:
+        return 0
     plain, package = _outcomes(out / "plain.xml"), _outcomes(out / "package.xml")
     differing = sorted(n for n in plain.keys() | package.keys() if plain.get(n) != package.get(n))
     counts = {mode: {} for mode in ("plain", "package")}

@@ -113,6 +113,47 @@ def test_table_entries_and_their_checks():
     assert registry.expects_identical(torch)(torch) is None and registry.expects_identical(torch)(thunder)
 
 
+def test_scoped_entries_are_listed_in_place_only_inside_their_block_and_undone():
+    table: dict = {}
+
+    @registry.installer("speedup", "a test patch")
+    def install_scoped() -> None:
+        entries = registry.scoped_entries(table, {"rule": 1}, table_name="a test table", during="a test call")
+        target.entries = entries
+
+    target = types.SimpleNamespace()
+    install_scoped()
+    (p,) = [p for p in registry.installed() if p.target is table]
+    try:
+        assert "only during a test call" in str(p) and table == {}
+        with target.entries:
+            with target.entries:  # nested: the outer block's entry stays until the outer block ends
+                assert table == {"rule": 1}
+            assert table == {"rule": 1}
+        assert table == {}
+        with pytest.raises(RuntimeError, match="inside an @installer"):
+            registry.scoped_entries(table, {"other": 2}, table_name="a test table", during="a test call")
+        with target.entries:  # undone inside its block (a call in flight): the entry goes with the installer
+            registry.undo(p.owner)
+            assert table == {}
+        assert table == {}
+    finally:
+        if p.owner in registry.installers():
+            registry.undo(p.owner)
+    assert not [q for q in registry.installed() if q.target is table]
+
+
+def test_dtensors_rule_tables_are_changed_only_during_thunderfx_calls_and_listed():
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    scoped = [p for p in registry.installed() if p.target is propagator.op_strategy_funcs]
+    assert scoped, "the thunderfx-scoped sharding rules are not listed"
+    for p in scoped:
+        assert p.during and p.where.startswith("torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator")
+        assert p.slot not in propagator.op_strategy_funcs  # eager DTensor sees torch's tables as they are
+
+
 def test_undo_is_all_or_nothing_and_names_the_installer_to_undo_first():
     target = _layout_a_release_might_change()
     first, second = target.first, target.second

@@ -73,6 +73,7 @@ class Patch:
     frozen: bool  # set with object.__setattr__ (a frozen dataclass's field: a thunder Symbol's meta)
     original: Any  # what was there (``_ABSENT``: nothing)
     replacement: Any
+    during: str = ""  # a scoped entry: in the table only while this runs (else always in place)
 
     @property
     def where(self) -> str:
@@ -84,7 +85,8 @@ class Patch:
         return f"{holder}[{slot}]" if self.in_table else f"{holder}.{slot}"
 
     def __str__(self) -> str:
-        return f"{self.where} ({self.kind}, {self.owner}): {self.reason}"
+        during = f", only during {self.during}" if self.during else ""
+        return f"{self.where} ({self.kind}, {self.owner}{during}): {self.reason}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +231,45 @@ def add_entry(
     _DONE.setdefault(owner, _Installer(owner, kind, reason))
 
 
+class ScopedEntries:
+    """Entries of a table that are in it only inside ``with entries:`` (see :func:`scoped_entries`)."""
+
+    def __init__(self, records: list[Patch]) -> None:
+        self._records = records
+        self._added: list[list[Patch]] = []
+
+    def __enter__(self) -> ScopedEntries:
+        """Put in each entry whose key is absent (one the owner of the table made in the meantime stays)."""
+        added = [p for p in self._records if p.slot not in p.target]
+        for p in added:
+            _set(p, p.replacement)
+        self._added.append(added)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self._added.pop():
+            if _current(p) is p.replacement:
+                _set(p, _ABSENT)
+
+
+def scoped_entries(table: Any, entries: dict[Any, Any], *, table_name: str, during: str) -> ScopedEntries:
+    """Entries of ``table`` (one of torch's or thunder's) put in only while a ``with`` block of the returned
+    value runs (``during`` says when, for listings), and taken out after it: recorded under the current
+    installer, so :func:`installed` lists them and undoing the installer (or :func:`undo_all`) removes them
+    wherever a call left them. Each key is absent from the table now."""
+    current = _CURRENT.get()
+    if current is None:
+        raise RuntimeError("scoped_entries() is called inside an @installer function only")
+    records = []
+    for key, value in entries.items():
+        if key in table:
+            raise IntegrationError(f"{table_name}[{key!r}]: expected no entry, found {_describe(table[key])}")
+        record = Patch(current.name, current.kind, current.reason, table, key, True, table_name, False, _ABSENT, value)
+        records.append(dataclasses.replace(record, during=during))
+    _PATCHES.extend(records)
+    return ScopedEntries(records)
+
+
 def add_executor(executor: Any, *, always: bool = False) -> None:
     """Register ``executor`` with thunder (``get_executor(name)``), and with ``always`` among its always executors
     (every program's), as patches: undoing them takes it out again."""
@@ -277,6 +318,12 @@ def _current(p: Patch) -> Any:
     return p.target.get(p.slot, _ABSENT) if p.in_table else _own_attribute(p.target, p.slot)
 
 
+def _moved(p: Patch) -> bool:
+    """``p``'s slot holds something else than ``p`` put there (a scoped entry may also be out of its table)."""
+    current = _current(p)
+    return current is not p.replacement and not (p.during and current is _ABSENT)
+
+
 def undo(owner: str) -> None:
     """Put back every slot ``owner`` patched (in reverse order), so that calling it again installs afresh.
 
@@ -284,7 +331,7 @@ def undo(owner: str) -> None:
     :class:`IntegrationError` names it and nothing is restored (undo that installer first, or :func:`undo_all`).
     """
     mine = [p for p in _PATCHES if p.owner == owner]
-    moved = [p.where for p in mine if _current(p) is not p.replacement]
+    moved = [p.where for p in mine if _moved(p)]
     if moved:
         later = sorted({q.owner for q in _PATCHES if q.owner != owner and any(q.where == w for w in moved)})
         raise IntegrationError(
@@ -292,7 +339,8 @@ def undo(owner: str) -> None:
             + (f" (by {', '.join(later)}: undo those first)" if later else "")
         )
     for p in reversed(mine):
-        _set(p, p.original)
+        if not (p.during and _current(p) is _ABSENT):
+            _set(p, p.original)
         _PATCHES.remove(p)
     _DONE.pop(owner, None)
 

@@ -17,7 +17,7 @@ from thunder_dtensor._integration.bootstrap import (
 from thunder_dtensor._integration.fixes.switches import EVERYWHERE, declare_fix, mode
 from thunder_dtensor._integration.program_scope import IN_THUNDERFX_DTENSOR_CALL as _IN_DTENSOR_CALL
 from thunder_dtensor._integration.program_scope import has_dtensor_inputs
-from thunder_dtensor._integration.registry import expects_function, installer, patch
+from thunder_dtensor._integration.registry import expects_function, installer, patch, scoped_entries
 
 import torch
 
@@ -229,27 +229,30 @@ def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
 
         return strategy_noting_use
 
-    scoped: dict[Any, tuple] = {}
-    for op, rule in missing.items():
+    strategies, schema_infos = {}, {}
+    for op, rule in missing.items():  # torch's registration makes the entries; they are put in per call
         register_sharding(op)(rule)
-        strategy = propagator.op_strategy_funcs.pop(op)
-        scoped[op] = (noting_use(strategy), propagator.op_to_schema_info.pop(op, None))
+        strategies[op] = noting_use(propagator.op_strategy_funcs.pop(op))
+        schema_info = propagator.op_to_schema_info.pop(op, None)
+        if schema_info is not None:
+            schema_infos[op] = schema_info
+    strategy_entries, schema_entries = (
+        scoped_entries(
+            getattr(propagator, table),
+            entries,
+            table_name=f"torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.{table}",
+            during="a call of a thunderfx-compiled object",
+        )
+        for table, entries in (("op_strategy_funcs", strategies), ("op_to_schema_info", schema_infos))
+    )
     thunderfx_call = ThunderFXCompiledObject.__call__
 
     def call_with_sharding_rules(self: Any, *args: Any, **kwargs: Any) -> Any:
-        added = [op for op in scoped if op not in propagator.op_strategy_funcs]
-        for op in added:
-            strategy, schema_info = scoped[op]
-            propagator.op_strategy_funcs[op] = strategy
-            if schema_info is not None:
-                propagator.op_to_schema_info[op] = schema_info
         consulted[0] = False
         try:
-            return thunderfx_call(self, *args, **kwargs)
+            with strategy_entries, schema_entries:
+                return thunderfx_call(self, *args, **kwargs)
         finally:
-            for op in added:
-                propagator.op_strategy_funcs.pop(op, None)
-                propagator.op_to_schema_info.pop(op, None)
             if consulted[0]:  # (dynamo traced the attention) no decision made with a rule outlives the call
                 clear_sharding_propagation_cache()
 

@@ -22,6 +22,7 @@ from thunder_dtensor._integration.bootstrap import (
     Symbol,
     TraceCtx,
     check,
+    from_trace,
     get_compile_data,
     local_tensor,
     ltorch,
@@ -29,7 +30,6 @@ from thunder_dtensor._integration.bootstrap import (
     pyval,
     thunder,
     tracectx,
-    variableify,
 )
 from thunder_dtensor._integration.fixes.switches import active, declare_fix
 from thunder_dtensor._integration.registry import (
@@ -40,6 +40,7 @@ from thunder_dtensor._integration.registry import (
     expects_function,
     expects_identical,
     expects_instance,
+    expects_qualified,
     installer,
     patch,
 )
@@ -557,6 +558,7 @@ def keep_dtensors_in_alias_updates(
       plain ``TensorProxy``, losing the spec.
     * An ``update_aliases`` line over DTensors binds ``update_aliases_prim`` instead of thunder's prim, which
       the torch executor would run on DTensors.
+    * A return of DTensors gets the alias updates an ordinary line gets (thunder skips the return's).
     """
     import thunder.core.update_aliases as update_aliases
 
@@ -592,14 +594,33 @@ def keep_dtensors_in_alias_updates(
             bsym = bsym.from_bsym(sym=update_aliases_prim)
         return bsym, swap_map
 
-    thunder_involves_viewed_args = update_aliases._involves_viewed_args
+    thunder_insert_alias_updates = update_aliases.insert_alias_updates
+    return_through_updates = Symbol(name="return", meta=None, id="thunder_dtensor.return_through_alias_updates")
 
-    def involves_viewed_args(bsym: BoundSymbol, viewed: set) -> bool:
+    def insert_alias_updates(trace: TraceCtx, alias_tensor_indices: list) -> TraceCtx:
         # thunder skips the return: a DTensor written through one of its views and then returned itself would
-        # be returned under its name from before the write, which the forward/backward split then drops
-        if bsym.sym.id == prims.PrimIDs.RETURN:
-            return any(is_dtensor_proxy(p) and variableify(p) in viewed for p in bsym.flat_proxy_args)
-        return thunder_involves_viewed_args(bsym, viewed)
+        # be returned under its name from before the write, which the forward/backward split then drops. A
+        # return of DTensors goes through the pass as an ordinary line (so an update of the aliases it reads is
+        # put before it) and comes out as the return again.
+        returns_dtensors = [
+            b.sym.id == prims.PrimIDs.RETURN and any(is_dtensor_proxy(a) for a in b.flat_proxy_args)
+            for b in trace.bound_symbols
+        ]
+        if not any(returns_dtensors):
+            return thunder_insert_alias_updates(trace, alias_tensor_indices)
+        disguised = from_trace(trace)
+        disguised.bound_symbols = [
+            b.from_bsym(sym=return_through_updates) if is_return else b
+            for b, is_return in zip(trace.bound_symbols, returns_dtensors)
+        ]
+        updated = thunder_insert_alias_updates(disguised, alias_tensor_indices)
+        if updated is disguised:  # nothing is written in place: thunder returns the trace as it was
+            return trace
+        python_return = next(b.sym for b, is_return in zip(trace.bound_symbols, returns_dtensors) if is_return)
+        updated.bound_symbols = [
+            b.from_bsym(sym=python_return) if b.sym is return_through_updates else b for b in updated.bound_symbols
+        ]
+        return updated
 
     module = "thunder.core.update_aliases"
     patch(update_aliases, "_get_new_alias", get_new_alias, expects=expects_function(module, "alias", "trace"))
@@ -616,13 +637,15 @@ def keep_dtensors_in_alias_updates(
         get_update_bsym,
         expects=expects_function(module, "group", "swap_map", "new_aliases"),
     )
-    patch(
-        update_aliases,
-        "_involves_viewed_args",
-        involves_viewed_args,
-        expects=expects_function(module, "bsym", "viewed"),
-        reason="a DTensor written through a view and returned itself is returned with the write",
-    )
+    returned_with_the_write = "a DTensor written through a view and returned itself is returned with the write"
+    for holder in (update_aliases, thunder):  # thunder.__init__ calls it by the name it imported
+        patch(
+            holder,
+            "insert_alias_updates",
+            insert_alias_updates,
+            expects=expects_qualified(f"{module}.insert_alias_updates", "computation_trace", "alias_tensor_indices"),
+            reason=returned_with_the_write,
+        )
 
 
 def local_shards_alias(a: Any, b: Any) -> bool:

@@ -287,10 +287,17 @@ def test_one_record_per_prim_holds_its_facts():
 
 
 def test_declared_thunder_range_is_the_tested_one():
-    """pyproject.toml declares exactly the lightning-thunder releases the package passes on (0.2.6; the 0.2.7
-    nightlies change a slot it patches), and the import refuses others unless asked to try."""
+    """pyproject.toml declares exactly the lightning-thunder releases the package passes on (0.2.6 and the 0.2.7
+    nightly measured), and the import refuses others (an older 0.2.7 nightly too) unless asked to try."""
+    from looseversion import LooseVersion
+
     low, high = _integration.THUNDER_TESTED_RANGE
+    nightly = _integration.THUNDER_TESTED_NIGHTLY
     if os.environ.get(_integration.UNTESTED_THUNDER_VARIABLE) != "1":
-        assert low <= _integration.THUNDER_VERSION < high
+        assert _integration.thunder_is_tested(_integration.THUNDER_VERSION)
+    tested = _integration.thunder_is_tested
+    assert tested(LooseVersion("0.2.6")) and tested(LooseVersion("0.2.6.post1")) and tested(nightly)
+    assert not tested(LooseVersion("0.2.7.dev20251201")) and not tested(LooseVersion("0.2.7"))
+    assert not tested(LooseVersion("0.2.5"))
     pyproject = open(__file__.rsplit("/tests/", 1)[0] + "/pyproject.toml").read()
-    assert f'"lightning-thunder>={low},<{high}"' in pyproject
+    assert f'"lightning-thunder>={low},<={nightly}"' in pyproject and str(high) in str(nightly)

@@ -156,10 +156,11 @@ def _identities(args: tuple, kwargs: dict) -> tuple:
 
 def declared_versions() -> str:
     """The releases the package declares (pyproject.toml), for error messages."""
-    from thunder_dtensor._integration.bootstrap import THUNDER_TESTED_RANGE, TORCH_TESTED_RANGE
+    from thunder_dtensor._integration.bootstrap import THUNDER_TESTED_NIGHTLY, THUNDER_TESTED_RANGE, TORCH_TESTED_RANGE
 
     low, high = TORCH_TESTED_RANGE
-    return f"lightning-thunder {THUNDER_TESTED_RANGE[0]} and torch {low} to {high} (excluded)"
+    thunders = f"{THUNDER_TESTED_RANGE[0]} (and the nightly {THUNDER_TESTED_NIGHTLY})"
+    return f"lightning-thunder {thunders} and torch {low} to {high} (excluded)"
 
 
 def patch(

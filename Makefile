@@ -81,11 +81,12 @@ tp-demo: setup
 
 # step time (interleaved rounds in one process) and first-call time (a fresh process per variant), eager DTensor
 # vs torch.compile vs thunder, and an op without a sharding rule (about 12 minutes on 2 cores): writes
-# benchmarks/results/results.{json,md,png}, fsdp/results.{json,md,png}, first_call.{json,md} and no_rule.md;
-# see benchmarks/README.md
+# benchmarks/results/results.{json,md,png}, fsdp/results.{json,md,png}, first_call.{json,md}, plain_call_cost.md
+# and no_rule.md; see benchmarks/README.md
 bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/first_call.py
+	$(PY) benchmarks/plain_call_cost.py
 	$(RUN2) benchmarks/bench.py --time-limit-s 420
 	$(RUN2) benchmarks/bench.py --workloads fsdp --variants eager,torch.compile,thunder_on,thunderfx_on,limit,limit_compiled \
 		--out benchmarks/results/fsdp

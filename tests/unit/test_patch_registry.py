@@ -32,6 +32,25 @@ def test_patches_that_act_on_plain_programs_are_documented():
             assert f"`{owner.split('.')[-1]}`" in text, f"{owner} ({kind}) is not in docs/architecture.md"
 
 
+def test_the_docs_counts_of_slots_are_the_registrys():
+    """docs/architecture.md states how many slots import patches, by kind: the registry's listing is the source."""
+    import re
+
+    grad_entries = [p for p in registry.installed() if p.owner == "primitive.grad_rules"]
+    slots = [p for p in registry.installed() if p.owner != "primitive.grad_rules" and not p.during]
+    kinds = {kind: sum(p.kind == kind for p in slots) for kind in registry.PATCH_KINDS}
+    text = " ".join(DOCS.read_text().split())
+    stated = re.search(r"after import: (\d+) slots from (\d+) installers, (\d+) `dtensor`, (\d+) `thunder-fix`", text)
+    assert stated, "docs/architecture.md no longer states the slot counts"
+    assert [int(n) for n in stated.groups()] == [
+        len(slots),
+        len({p.owner for p in slots}),
+        kinds["dtensor"],
+        kinds["thunder-fix"],
+    ]
+    assert f"rules, {kinds['speedup']} `speedup`" in text and f"{len(grad_entries)} grad rules" in text
+
+
 def test_an_installer_runs_once():
     before = list(registry.installed())
     thunder_dtensor._integration.run_interpreter_helpers_directly()

@@ -185,13 +185,6 @@ def test_dim_names():
     )
 
 
-def test_device_type():
-    pytest.skip(
-        "one process group serves one device type here (gloo on CPU, NCCL on CUDA): no meshes of two device "
-        "types to switch between; the key names mesh.device_type (test_key_names_every_part)"
-    )
-
-
 def test_key_names_every_part():
     """The spec key spells out the device type, the full rank layout and the dim names."""
     ranks = tuple(range(world_size()))

@@ -8,7 +8,8 @@ first, alternating, and each process measures:
 - ``first_*``: the first call of a small MLP's training step (forward and backward) and of a pointwise function:
   compilation plus one run;
 - ``cached_*_us``: the median time of a cached call (the same function, same input shapes), over 20 blocks of
-  200 calls: the per-call path (cache lookup, prologue, the compiled program).
+  200 calls: the per-call path (cache lookup, prologue, the compiled program);
+- with the package, the cost of its one per-call wrapper, within the process (with and without it, interleaved).
 
     python benchmarks/plain_call_cost.py [--rounds 5] [--out benchmarks/results/plain_call_cost.md]
 
@@ -38,6 +39,30 @@ def _cached_call_us(fn, *args) -> float:  # noqa: ANN001
             fn(*args)
         blocks.append((time.perf_counter() - start) / 200 * 1e6)
     return statistics.median(blocks)
+
+
+def _call_wrapper_us(fn, *args) -> float:  # noqa: ANN001
+    """The package's per-call wrapper (``program_scope.note_each_call``), timed in one process: the same function
+    jitted without it (undone) and with it (installed again), called in interleaved blocks."""
+    from thunder_dtensor._integration import program_scope, registry
+
+    import thunder
+
+    registry.undo("program_scope.note_each_call")
+    without = thunder.jit(fn)
+    program_scope.note_each_call()
+    with_wrapper = thunder.jit(fn)
+    without(*args), with_wrapper(*args)
+    differences = []
+    for _ in range(30):
+        times = []
+        for jitted in (without, with_wrapper):
+            start = time.perf_counter()
+            for _ in range(300):
+                jitted(*args)
+            times.append((time.perf_counter() - start) / 300 * 1e6)
+        differences.append(times[1] - times[0])
+    return statistics.median(differences)
 
 
 def worker(mode: str) -> dict:
@@ -74,6 +99,8 @@ def worker(mode: str) -> dict:
     results["first_pointwise_s"] = time.perf_counter() - start
     results["cached_mlp_us"] = _cached_call_us(step, x)
     results["cached_pointwise_us"] = _cached_call_us(jitted_pointwise, a, b)
+    if mode == "package":
+        results["call_wrapper_us"] = _call_wrapper_us(pointwise, a, b)
     assert not [m for m in sys.modules if m.startswith("thunder_dtensor")] or mode == "package"
     return results
 
@@ -95,6 +122,7 @@ def main() -> int:
             out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
             runs[mode].append(json.loads(out.strip().splitlines()[-1]))
     medians = {mode: {m: statistics.median(r[m] for r in rs) for m in MEASURES} for mode, rs in runs.items()}
+    wrapper_us = statistics.median(r["call_wrapper_us"] for r in runs["package"])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     lines = [
         "# A plain program's cost of `import thunder_dtensor`",
@@ -108,6 +136,12 @@ def main() -> int:
     for m in MEASURES:
         plain, package = medians["plain"][m], medians["package"][m]
         lines.append(f"| {m} | {plain:.4g} | {package:.4g} | {package / plain:.3f} |")
+    lines += [
+        "",
+        f"The package's per-call wrapper, timed within one process (the same function jitted with and without it,"
+        f" interleaved): {wrapper_us:.2f} µs per call (median over rounds). Across processes, the cached-call"
+        " times of a few tens of µs vary by more than that from process to process on a shared machine.",
+    ]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

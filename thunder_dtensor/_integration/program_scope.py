@@ -67,17 +67,24 @@ _FIRST_EXECUTORS: list[tuple[str, Any]] = []
 def add_first_executor(fix: str, executor: Any) -> None:
     """Where ``fix`` acts, ``executor`` goes first among the executors of a program that did not choose its own."""
     _FIRST_EXECUTORS.append((fix, executor))
+    on_each_call("first_executors", _add_first_executors_acting_everywhere)
+
+
+def _add_first_executors_acting_everywhere(cd: Any, args: tuple, kwargs: dict) -> None:
+    _add_first_executors(cd, everywhere_only=True)
 
 
 def _add_first_executors(cd: Any, *, everywhere_only: bool) -> None:
-    from thunder_dtensor._integration.fixes.switches import EVERYWHERE, OFF, mode
-
-    from thunder.extend import get_default_executors
-
     for fix, executor in _FIRST_EXECUTORS:
-        chosen = mode(fix)
-        if chosen == OFF or (everywhere_only and chosen != EVERYWHERE) or executor in cd.executors_list:
+        chosen = _switches.mode(fix)
+        if (
+            chosen == _switches.OFF
+            or (everywhere_only and chosen != _switches.EVERYWHERE)
+            or executor in cd.executors_list
+        ):
             continue
+        from thunder.extend import get_default_executors
+
         # where the program's list holds thunder's default executors (after thunder.jit's ad hoc executor, or the
         # user's own: ``[torch_compile_ex, *thunder.get_default_executors()]``), first among them
         executors, defaults = list(cd.executors_list), list(get_default_executors())
@@ -137,6 +144,16 @@ class _Call:
 
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("thunder_dtensor_call", default=None)
+#: name -> handler(compile data, args, kwargs), run in this order as each call of a jitted function starts
+#: (before thunder's cache lookup): one wrapper of thunder's slot serves every concern that needs the call's start
+_CALL_START: dict[str, Callable[[Any, tuple, dict], None]] = {}
+
+
+def on_each_call(name: str, handler: Callable[[Any, tuple, dict], None]) -> None:
+    """Run ``handler(cd, args, kwargs)`` as each call of a jitted function starts (once per ``name``)."""
+    _CALL_START[name] = handler
+
+
 #: during a call of a thunderfx-compiled function: whether it runs a DTensor program, asked lazily
 IN_THUNDERFX_DTENSOR_CALL: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
     "thunder_dtensor_in_call", default=None
@@ -187,7 +204,7 @@ def wraps_jitted_functions_with_compile_data(original: Any) -> str | None:
 def note_each_call() -> None:
     """``thunder._with_cache_info_ctx``, which wraps each jitted function's ``get_computation_and_inputs`` when
     ``thunder.jit`` builds it, notes each call's compile data and arguments for :func:`in_dtensor_program`
-    (no work unless something asks)."""
+    (no work unless something asks), after running the handlers of :func:`on_each_call`."""
     import thunder
 
     with_cache_info_ctx = thunder._with_cache_info_ctx
@@ -201,8 +218,9 @@ def note_each_call() -> None:
         @functools.wraps(wrapped)
         def call(*args: Any, **kwargs: Any) -> Any:
             cd = weakref_cd()
-            if _FIRST_EXECUTORS and cd is not None:
-                _add_first_executors(cd, everywhere_only=True)
+            if cd is not None:
+                for handler in _CALL_START.values():
+                    handler(cd, args, kwargs)
             token = _CALL.set(_Call(cd, args, kwargs))
             try:
                 return wrapped(*args, **kwargs)
@@ -212,3 +230,6 @@ def note_each_call() -> None:
         return call
 
     patch(thunder, "_with_cache_info_ctx", noting, expects=wraps_jitted_functions_with_compile_data)
+
+
+from thunder_dtensor._integration.fixes import switches as _switches  # noqa: E402  (it reads this module's names)

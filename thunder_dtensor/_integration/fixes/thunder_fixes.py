@@ -18,7 +18,6 @@ from __future__ import annotations
 # complex; programs on real tensors keep thunder's rules and traces exactly.
 # ---------------------------------------------------------------------------------------------------------
 import cmath  # noqa: E402
-import functools
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,9 +42,8 @@ from thunder_dtensor._integration.fixes.switches import EVERYWHERE, IN_DTENSOR_P
 from thunder_dtensor._integration.program_scope import (
     add_program_executor,
     has_dtensor_inputs,
-    jitted_function_compile_data,
+    on_each_call,
     traced_a_dtensor,
-    wraps_jitted_functions_with_compile_data,
 )
 from thunder_dtensor._integration.registry import (
     BACKWARD_IMPLS,
@@ -336,35 +334,22 @@ def scope_ambient_autocast_to_each_call() -> None:
     thunder 0.2.6 pushes the caller's autocast onto the compile data's autocast stack at each call made under
     it and never pops it, so a later call without autocast retraces (the cache key differs) but still casts,
     on plain tensors and DTensors alike. Every push on that stack within a call is balanced except this one, so
-    the stack is emptied as each call starts: ``thunder._with_cache_info_ctx``, which wraps each jitted
-    function's ``get_computation_and_inputs`` when ``thunder.jit`` builds it, reaches the compile data through
-    that function's ``weakref_cd`` closure cell.
+    the stack is emptied as each call starts (a handler of ``program_scope.on_each_call``, which the package's
+    one wrapper of ``thunder._with_cache_info_ctx`` runs with the call's compile data).
     """
-    with_cache_info_ctx = thunder._with_cache_info_ctx
     fix = "scope_ambient_autocast_to_each_call"
 
-    def applies(cd: Any, args: tuple, kwargs: dict) -> bool:  # this wrapper runs before the call is noted
+    def applies(cd: Any, args: tuple, kwargs: dict) -> bool:  # this runs before the call is noted
         chosen = mode(fix)
         return chosen == EVERYWHERE or (
             chosen == IN_DTENSOR_PROGRAMS and (traced_a_dtensor(cd) or has_dtensor_inputs(cd.fn, args, kwargs))
         )
 
-    def scoped(fn: Callable) -> Callable:
-        wrapped = with_cache_info_ctx(fn)
-        weakref_cd = jitted_function_compile_data(fn)
-        if weakref_cd is None:  # not a jitted function's (thunderfx's splitter tests ops through it too)
-            return wrapped
+    def forget_ambient_autocast(cd: Any, args: tuple, kwargs: dict) -> None:
+        if cd.autocast_stack.stack and applies(cd, args, kwargs):
+            cd.autocast_stack.stack.clear()
 
-        @functools.wraps(wrapped)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            cd = weakref_cd()
-            if cd is not None and cd.autocast_stack.stack and applies(cd, args, kwargs):
-                cd.autocast_stack.stack.clear()
-            return wrapped(*args, **kwargs)
-
-        return call
-
-    patch(thunder, "_with_cache_info_ctx", scoped, expects=wraps_jitted_functions_with_compile_data)
+    on_each_call(fix, forget_ambient_autocast)
 
 
 # ---------------------------------------------------------------------------------------------------------

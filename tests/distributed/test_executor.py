@@ -64,3 +64,32 @@ def test_every_dtensor_bsym_runs_on_dtensor_executor(executors, lowering):
             assert prim.id not in ex.implmap, f"{ex.name} has an implementation of {name}"
         for name, sym in COLLECTIVE_SYMBOLS.items():
             assert sym.id not in ex.implmap, f"{ex.name} has an implementation of {name}"
+
+
+@pytest.mark.world_size(2)
+def test_the_autograd_bridges_dummies_skip_random_numbers_in_dtensor_programs_only(monkeypatch):
+    """The speed-up ``make_autograd_dummies_without_random_numbers`` acts while a DTensor program runs (its
+    forward and backward), not in a plain program's, though both run after their call's compilation."""
+    from thunder_dtensor._integration.fixes import speedups
+
+    from thunder.executors import torch_autograd
+
+    made = []
+    bridge_torch = type(torch_autograd.torch)
+    original = bridge_torch.__dict__["randn"]
+
+    def noting(*size, **kwargs):
+        made.append(speedups._dummies_without_random_numbers())
+        return original(*size, **kwargs)
+
+    monkeypatch.setattr(bridge_torch, "randn", staticmethod(noting))
+    x = distribute_tensor(make_full((8, 4), seed=3), mesh_1d(), [Shard(0)]).requires_grad_()
+    jitted = thunder.jit(lambda x: (x * 2).sum())
+    for _ in range(2):
+        jitted(x).backward()
+    assert made == [True] * 4, made
+    made.clear()
+    plain = thunder.jit(lambda y: (y * 2).sum())
+    for _ in range(2):
+        plain(torch.randn(8, 4, requires_grad=True)).backward()
+    assert made == [False] * 4, made

@@ -144,6 +144,19 @@ class _Call:
 
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("thunder_dtensor_call", default=None)
+#: whether the program the latest jitted call chose (thunder runs it right after) is a DTensor program: read while
+#: it runs, where no compile data or call is current (thunder's autograd bridge)
+_RUNNING_A_DTENSOR_PROGRAM: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "thunder_dtensor_running", default=False
+)
+
+
+def running_a_dtensor_program() -> bool:
+    """Whether the program of the latest jitted call is a DTensor program: exact while that program runs (its
+    forward); its backward, called later by torch's autograd, sees the latest call's answer instead."""
+    return _RUNNING_A_DTENSOR_PROGRAM.get()
+
+
 #: name -> handler(compile data, args, kwargs), run in this order as each call of a jitted function starts
 #: (before thunder's cache lookup): one wrapper of thunder's slot serves every concern that needs the call's start
 _CALL_START: dict[str, Callable[[Any, tuple, dict], None]] = {}
@@ -223,9 +236,11 @@ def note_each_call() -> None:
                     handler(cd, args, kwargs)
             token = _CALL.set(_Call(cd, args, kwargs))
             try:
-                return wrapped(*args, **kwargs)
+                found = wrapped(*args, **kwargs)
             finally:
                 _CALL.reset(token)
+            _RUNNING_A_DTENSOR_PROGRAM.set(cd is not None and _has_dtensor_executors(cd))
+            return found
 
         return call
 

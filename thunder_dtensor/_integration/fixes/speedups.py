@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from thunder_dtensor._integration.fixes.scoped_entries import add_scoped_lookaside
-from thunder_dtensor._integration.fixes.switches import active, switched
-from thunder_dtensor._integration.program_scope import add_first_executor
+from thunder_dtensor._integration.fixes.switches import EVERYWHERE, IN_DTENSOR_PROGRAMS, active, mode, switched
+from thunder_dtensor._integration.program_scope import add_first_executor, running_a_dtensor_program
 from thunder_dtensor._integration.registry import (
     INTERPRETER_LOOKASIDES,
     OPCODE_HANDLERS,
@@ -716,10 +716,18 @@ class _TorchWithEmptyMetaTensors(types.ModuleType):
         if (
             kwargs.get("device") == "meta"
             and set(kwargs) <= {"device", "dtype", "requires_grad"}
-            and active("make_autograd_dummies_without_random_numbers")
+            and _dummies_without_random_numbers()
         ):
             return torch.empty(*size, **kwargs)
         return torch.randn(*size, **kwargs)
+
+
+def _dummies_without_random_numbers() -> bool:
+    """The bridge makes its dummies while a compiled program runs, after the call's compilation: the program
+    is a DTensor program when the latest jitted call's is (its backward may see a later call's answer: either
+    way the dummy is the same valueless meta tensor, and a meta ``randn`` draws no random numbers)."""
+    chosen = mode("make_autograd_dummies_without_random_numbers")
+    return chosen == EVERYWHERE or (chosen == IN_DTENSOR_PROGRAMS and running_a_dtensor_program())
 
 
 @installer("speedup", "thunder's autograd bridge makes its meta dummy tensors with empty, not randn")

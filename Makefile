@@ -97,6 +97,7 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check thunder_dtensor tests examples scripts benchmarks
 	$(VENV)/bin/ruff format --check thunder_dtensor tests examples benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

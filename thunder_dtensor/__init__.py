@@ -13,6 +13,7 @@ from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, thunder
 # each fix of thunder acts within DTensor programs unless switched (``thunder_dtensor.fixes``)
 __all__ = ["DISTRIBUTED_AVAILABLE", "fixes", "fixes_everywhere", "thunder"]
 _integration.note_each_call()  # what asks can tell a DTensor program (the scope of everything below)
+_integration.read_attributes_through_handlers()  # one getattr lookaside; fixes below add handlers
 _integration.consult_scoped_entries()  # lookasides and methods of the fixes, where they act
 _integration.fix_complex_gradients()  # thunder 0.2.6's grad rules ignore complex conjugation (RoPE)
 _integration.call_custom_autograd_functions_with_builtin_apply()  # torch >= 2.14: autograd.Function.apply is C
@@ -46,6 +47,12 @@ if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor.proxy import DTensorProxy, is_dtensor_proxy, proxify_dtensor
     from thunder_dtensor.spec import DTensorMeta
 
+    # DTensor's sharding rules that torch lacks, in its tables only while a thunderfx call runs
+    _integration.scope_sharding_rules_to_thunderfx_calls(ops.attention.THUNDERFX_SHARDING_RULES)
+    # in-place DTensor ops keep their DTensor proxies through thunder's alias updates
+    _integration.keep_dtensors_in_alias_updates(
+        is_dtensor_proxy, ops.inplace.dtensor_alias_proxy, ops.inplace.dtensor_update_aliases_prim
+    )
     _integration.install_thunder_hooks(
         proxify=proxify_dtensor,
         is_dtensor_proxy=is_dtensor_proxy,

@@ -30,7 +30,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import DISPATCH_TABLE
@@ -63,7 +63,7 @@ class AutocastPolicy:
 # ---------------------------------------------------------------------------------------------------------
 # Which torch function a dtensor symbol stands for
 # ---------------------------------------------------------------------------------------------------------
-_torch_fn_by_symbol_id: dict[str, Callable] = {}
+_torch_fn_by_symbol_id: dict[Any, Callable] = {}  # by Symbol.id (a string or a PrimIDs member)
 _indexed_size = -1
 
 
@@ -120,7 +120,7 @@ def _probe(torch_fn: Callable, device_type: str, dtype: torch.dtype, leaves: lis
         casts: dict[int, torch.dtype] = {}
         input_casts: set[int] = set()
         for n, (func, cargs, ckwargs) in enumerate(calls):
-            source = cargs[0] if cargs else None
+            source: Any = cargs[0] if cargs else None
             if func is torch.ops.aten._to_copy.default and id(source) in position:
                 target = ckwargs.get("dtype")
                 if target is not None and target != source.dtype:
@@ -218,12 +218,13 @@ def _call_with_autocast(sym: ti.Symbol, torch_fn: Callable, args: tuple, kwargs:
     first = next((x for x in leaves if _is_float_dtensor(x)), None)
     device_type = ti.devices.devicetype_string(first.device.devicetype) if first is not None else None
     dtype = ti.thunder_autocast_dtype(device_type) if device_type is not None else None
-    policy = autocast_policy(torch_fn, device_type, dtype, leaves, spec) if dtype is not None else None
+    # (a dtype only for a device type)
+    policy = autocast_policy(torch_fn, cast(str, device_type), dtype, leaves, spec) if dtype is not None else None
     with ti.thunder_autocast_disabled():  # what the op calls is not cast again
         if policy is None or (policy.explicit and not policy.casts):
             return sym(*args, **kwargs)
         if not policy.explicit:
-            return _region_prim(sym, torch_fn, device_type, dtype)(*args, **kwargs)
+            return _region_prim(sym, torch_fn, cast(str, device_type), cast(torch.dtype, dtype))(*args, **kwargs)
         for i, target in policy.casts:
             leaves[i] = _cast(leaves[i], target)
         cast_args, cast_kwargs = ti.tree_unflatten(leaves, spec)

@@ -75,7 +75,7 @@ def _remember(symbol: Callable) -> None:
 def _add_entry(torch_fn: Callable, route: DTensorRoute) -> None:
     DISPATCH_TABLE[torch_fn] = route
     _remember(route.dtensor_symbol)
-    record = PRIMS.get(getattr(route.dtensor_symbol, "name", None))
+    record = PRIMS.get(getattr(route.dtensor_symbol, "name", None))  # type: ignore[arg-type]  # (None: no entry)
     if record is not None:  # a prim the call reaches directly: its record lists the entry
         record.torch_functions.append(torch_fn)
 

@@ -40,7 +40,7 @@ def structural_hint(args: tuple, kwargs: dict) -> str | None:
             "convert every torch.Tensor argument to a DTensor first, with DTensor.from_local(t, mesh, placements) "
             "or distribute_tensor(t, mesh, placements), as eager DTensor requires"
         )
-    meshes = []
+    meshes: list[Any] = []
     for t in tensors:
         if isinstance(t, DTensorProxy) and not any(t.device_mesh is m or _same_mesh(t.device_mesh, m) for m in meshes):
             meshes.append(t.device_mesh)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import DTensorOpError
@@ -111,9 +111,9 @@ def _with_dtype(spec: Any, dtype: torch.dtype) -> Any:
 
 
 def _all_gather_meta(layout: ti.FSDPGroupLayout, *sharded: DTensorProxy) -> tuple:
-    outputs = []
+    outputs: list[ti.TensorProxy] = []
     for param, s in zip(layout.params, sharded):
-        dtype = layout.param_dtype or ti.dtypes.to_torch_dtype(s.dtype)
+        dtype = cast(torch.dtype, layout.param_dtype or ti.dtypes.to_torch_dtype(s.dtype))  # a proxy has a dtype
         if param.unsharded_spec is not None:
             outputs.append(_contiguous_proxy(_with_dtype(param.unsharded_spec, dtype), s.device, s.requires_grad))
         else:

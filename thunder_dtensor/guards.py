@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
@@ -50,7 +50,13 @@ def traced_input_key(dtensor: DTensorProxy) -> DTensorInputKey:
     """The key a DTensor input proxy was traced for (the prologue's expected value)."""
     meta = dtensor.meta
     ti.check(meta.local_stride is not None, lambda: f"DTensor input {dtensor.name} has no recorded local stride")
-    return (meta.spec_repr(), bool(dtensor.requires_grad), tuple(meta.local_shape), tuple(meta.local_stride))
+    # local_stride is not None (checked above)
+    return (
+        meta.spec_repr(),
+        bool(dtensor.requires_grad),
+        tuple(meta.local_shape),
+        tuple(cast(tuple, meta.local_stride)),
+    )
 
 
 def _check_dtensor_spec_repr_meta(dtensor: Any, spec: Any, local: Any, expected: DTensorInputKey) -> None:
@@ -99,7 +105,7 @@ def add_prologue_spec_checks(prim: Any, prologue_trace: ti.TraceCtx, args: tuple
         if isinstance(tensor, DTensorProxy):
             _add_spec_check(prologue_trace, tensor, tensor.meta.spec)
         elif ti.traced_dtensor_ops():
-            _run_check_concrete_shape(tensor, tuple(int(ti.pyval(s)) for s in tensor._shape))
+            _run_check_concrete_shape(tensor, tuple(int(cast(int, ti.pyval(s))) for s in tensor._shape))
         return False
     if ti.is_check_tensor_shape_and_metadata(prim) and isinstance(args[0], DTensorProxy):
         # thunder's check of shape, device, dtype and requires_grad: the DTensor's own check below compares all
@@ -178,8 +184,8 @@ def match_cotangent_specs(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
     """Insert a spec match for each DTensor cotangent right after the backward unpacks them."""
     new_trace = ti.from_trace(backward_trace)
     swap: dict = {}
-    bsyms = []
-    for bsym in backward_trace.bound_symbols:
+    bsyms: list = []
+    for bsym in cast(list[ti.BoundSymbol], backward_trace.bound_symbols):
         if swap:
             bsym = bsym.from_bsym_swap_proxies(swap)
         bsyms.append(bsym)
@@ -209,11 +215,11 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
     new_trace = ti.from_trace(joint_trace)
     swap: dict = {}
     bsyms: list = []
-    for bsym in joint_trace.bound_symbols:
+    for bsym in cast(list[ti.BoundSymbol], joint_trace.bound_symbols):
         if swap:
             bsym = bsym.from_bsym_swap_proxies(swap)
         if (
-            ti.BoundSymbolTag.BACKWARD not in bsym.tags
+            ti.BoundSymbolTag.BACKWARD not in bsym.tags  # type: ignore[attr-defined]  # (a tag registered at runtime)
             or bsym.sym.id in (ti.prims.PrimIDs.GET_GRAD, ti.prims.PrimIDs.PUT_GRAD)
             or not any(isinstance(o, DTensorProxy) for o in bsym.flat_outs)
             or not any(isinstance(a, DTensorProxy) for a in bsym.flat_proxy_args)
@@ -225,7 +231,10 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
             out = bsym.sym(*bsym.args, **bsym.kwargs)
             retraced = new_trace.pop_scope()
         old_outs, new_outs = ti.tree_flatten(bsym.output)[0], ti.tree_flatten(out)[0]
-        ti.check(len(old_outs) == len(new_outs), lambda name=bsym.sym.name: f"{name} changed its outputs when retraced")
+        ti.check(  # (mypy cannot infer the type of a lambda with a default argument)
+            len(old_outs) == len(new_outs),
+            lambda name=bsym.sym.name: f"{name} changed its outputs when retraced",  # type: ignore[misc]
+        )
         changed = [
             (o, n)
             for o, n in zip(old_outs, new_outs)
@@ -293,8 +302,8 @@ _NOT_COMPARED = {ti.prims.PrimIDs.DEL, ti.prims.PrimIDs.RETURN, ti.prims.PrimIDs
 def _forward_names(ran: ti.TraceCtx, again: ti.TraceCtx) -> dict[str, str] | None:
     """``again``'s proxy names -> ``ran``'s, where the two forward traces compute the same, symbol by symbol
     (deletions aside); None where they differ."""
-    first = [b for b in ran.bound_symbols if b.sym.id not in _NOT_COMPARED]
-    second = [b for b in again.bound_symbols if b.sym.id not in _NOT_COMPARED]
+    first = [b for b in cast(list[ti.BoundSymbol], ran.bound_symbols) if b.sym.id not in _NOT_COMPARED]
+    second = [b for b in cast(list[ti.BoundSymbol], again.bound_symbols) if b.sym.id not in _NOT_COMPARED]
     if len(first) != len(second):
         return None
     names: dict[str, str] = {}
@@ -326,7 +335,7 @@ def joint_for_cotangent_specs(joint: ti.TraceCtx, specs: dict[str, Any]) -> ti.T
     trace = ti.from_trace(joint)
     swap: dict = {}
     bsyms: list = []
-    for bsym in joint.bound_symbols:
+    for bsym in cast(list[ti.BoundSymbol], joint.bound_symbols):
         if swap:
             bsym = bsym.from_bsym_swap_proxies(swap)
         out = bsym.output
@@ -414,6 +423,7 @@ class BackwardForCotangentPlacements:
             ti.check(backward is not None, lambda: "the joint trace has no backward")
             names = _forward_names(self.forward_trace, forward)
             ti.check(names is not None, lambda: "its forward is not the forward that ran")
+            names = cast(dict[str, str], names)  # not None: checked above
             order = self._positions(_unpacked(backward, "C0") or [], names, self.saved)
             other_order = self._positions(_unpacked(backward, "C1") or [], names, self.saved_other)
             backward_fn = backward.python_callable()
@@ -437,7 +447,10 @@ class BackwardForCotangentPlacements:
         positions = []
         for p in needed:
             ran = names.get(p.name)
-            ti.check(ran in saved, lambda p=p: f"its backward reads {p.name}, which the forward that ran did not save")
+            ti.check(  # (mypy cannot infer the type of a lambda with a default argument)
+                ran in saved,
+                lambda p=p: f"its backward reads {p.name}, which the forward that ran did not save",  # type: ignore[misc]
+            )
             positions.append(saved.index(ran))
         return positions
 

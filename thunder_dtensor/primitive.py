@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.errors import (
@@ -347,7 +347,7 @@ def _fake_outputs_independent_of_runtime_numbers(op_name: str, torch_fn: Callabl
 
 
 #: sources of a generic vjp's fake gradients that save its own fake run: the lowering's joint trace, which the
-#: lowering needs anyway (``lowering.joint_gradients``, registered by ``lowering.py``); None: no answer
+#: lowering needs anyway (``lowering.joint_gradients``, registered by ``lowering.transform``); None: no answer
 GRADIENT_SOURCES: list[Callable[[str, tuple], tuple | None]] = []
 
 
@@ -389,7 +389,7 @@ def _shapes_unlike_torch(torch_fn: Callable, args: tuple, kwargs: dict, out: Any
     return f"output shapes {got}, where torch gives {want} on plain tensors of the global shapes"
 
 
-def _caused_by(error: BaseException, kind: type | tuple) -> bool:
+def _caused_by(error: BaseException | None, kind: type | tuple) -> bool:
     """Whether ``error`` or an exception it was raised from is a ``kind``."""
     seen = set()
     while error is not None and id(error) not in seen:
@@ -621,13 +621,14 @@ def call_backwards_with(call_or_rewrite: Callable, replicated: Callable) -> None
 
 
 def _register_generic_vjp(record: PrimRecord, name: str) -> None:
-    prim, runtime_fn = record.symbol, record.runtime_fn
+    prim, runtime_fn = record.symbol, cast(Callable, record.runtime_fn)  # (a differentiable prim has one)
     vjp_source = functools.partial(run_vjp, runtime_fn)
     vjp_prim = define_dtensor_prim(f"{name}_vjp", vjp_source, differentiable=False)
     PRIMS[vjp_prim.name].is_generic_vjp = True
 
     def vjp(*vjp_args: Any, distrust: str | None = None) -> Any:
-        call_or_rewrite, replicated = _BACKWARD_CALL.call_or_rewrite, _BACKWARD_CALL.replicated
+        # (both set at import: checked below)
+        call_or_rewrite, replicated = cast(Callable, _BACKWARD_CALL.call_or_rewrite), cast(Callable, _BACKWARD_CALL.replicated)
         ti.check(call_or_rewrite is not None, lambda: "ops/no_rule.py gives how generic vjps are called")
         return call_or_rewrite(
             vjp_prim,

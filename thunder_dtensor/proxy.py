@@ -93,9 +93,9 @@ class DTensorProxy(ti.TensorProxy):
     def replace(self, **changes: Any) -> DTensorProxy:
         """A copy with new name / history / tags / requires_grad; the distribution cannot change here."""
         for key in ("shape", "dtype", "device"):
-            ti.check(
+            ti.check(  # (mypy cannot infer the type of a lambda with a default argument)
                 key not in changes or changes[key] == getattr(self, f"_{key}"),
-                lambda key=key: f"DTensorProxy.replace cannot change {key}: the DTensor spec would no longer match",
+                lambda key=key: f"DTensorProxy.replace cannot change {key}: the DTensor spec would no longer match",  # type: ignore[misc]
             )
         like = changes.get("like")
         meta = like.meta if isinstance(like, DTensorProxy) else self.meta

@@ -31,7 +31,7 @@ import dataclasses
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, cast
 
 from thunder_dtensor import _integration as ti
 
@@ -137,7 +137,7 @@ class TraceTimeSDPAKernel:
         _store(_choice(self.backends, self.set_priority))
         return {}  # what eager's context yields
 
-    def __exit__(self, *exc_info: Any) -> bool:
+    def __exit__(self, *exc_info: Any) -> Literal[False]:
         _store(self._previous.pop())
         return False
 
@@ -151,8 +151,10 @@ def _stand_in(x: Any) -> Any:
     if isinstance(x, ti.NumberProxy):
         return ti.pyval(x)
     if isinstance(x, ti.TensorProxy):
-        shape = tuple(ti.pyval(s) if isinstance(s, ti.NumberProxy) else int(s) for s in x.shape)
-        dtype, device = ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
+        shape = tuple(cast(int, ti.pyval(s)) if isinstance(s, ti.NumberProxy) else int(s) for s in x.shape)
+        # (a tensor proxy has a dtype and a device)
+        dtype = cast(torch.dtype, ti.dtypes.to_torch_dtype(x.dtype))
+        device = cast(torch.device, ti.devices.to_torch_device(x.device))
         requires_grad = bool(x.requires_grad)
     elif isinstance(x, torch.Tensor):
         shape, dtype, device, requires_grad = tuple(x.shape), x.dtype, x.device, x.requires_grad

@@ -109,6 +109,10 @@ class MaskPartial(ti.Partial):
     sees ``Replicate``).
     """
 
+    # set in __init__ (the placement is frozen); annotations only
+    offset_shape: torch.Size
+    offset_dim: int
+
     def __init__(self, reduce_op: str = "sum", offset_shape: tuple[int, ...] = (), offset_dim: int = 0) -> None:
         super().__init__(reduce_op)
         object.__setattr__(self, "offset_shape", torch.Size(int(n) for n in offset_shape))

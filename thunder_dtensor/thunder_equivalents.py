@@ -8,7 +8,7 @@ which every thunder executor can claim and fuse. Collectives, the DTensor bounda
 counterpart (fused attention kernels, ``native_layer_norm`` and the backward kernels) stay as they are.
 
 Only counterparts that thunder's torch executor runs as one torch call are listed: on CPU (no fusion
-executor) the program runs the same kernels as before. ``lowering.py`` checks each emitted counterpart's
+executor) the program runs the same kernels as before. The lowering checks each emitted counterpart's
 outputs (count, shapes, dtypes) against the recorded ATen call's and emits the ATen op where they differ.
 """
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import METHOD_TABLE, dtensor_callable_for
@@ -60,7 +60,7 @@ def _thunder_callable(node: torch.fx.Node) -> Callable | None:
             return symbol
         return node.target if inspect.isbuiltin(node.target) else None
     if node.op == "call_method":
-        route = METHOD_TABLE.get(node.target)
+        route = METHOD_TABLE.get(cast(str, node.target))  # (a call_method's target is the method's name)
         return None if route is None else route.dtensor_symbol
     return None
 

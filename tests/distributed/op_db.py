@@ -4,6 +4,13 @@ Each entry gives a function on tensors, its inputs' shapes, and which placements
 (`test_ops.py`) distributes the same full inputs with each placement combination, runs the function under
 thunder.jit, and compares values and gradients with plain torch on the full tensors, and placements with
 eager DTensor where eager can run the case.
+
+Each case declares what thunder_dtensor does with it, and the test asserts exactly that (``run_case(expect=...)``):
+``RUNS`` (on DTensor's sharding rules, no op rewritten: every case unless its entry's ``expect`` or ``outcomes``
+says otherwise), ``rewritten(how)`` (eager DTensor fails on it; the op runs decomposed or on replicated inputs,
+``ops/no_rule.py``) or ``raises(error, match)`` (a named error of ``thunder_dtensor.errors``). A case that starts
+to behave otherwise (a torch release gives DTensor a rule, a rewrite stops applying) fails until its declaration
+is updated.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from thunder_dtensor.testing import CaseResult
+from thunder_dtensor.errors import DataDependentValueError
+from thunder_dtensor.testing import RUNS, CaseResult, Outcome, raises, rewritten
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +54,16 @@ class OpEntry:
     random: bool = False
     #: extra assertions on the run_case result, given the full inputs
     check: Callable[[CaseResult, list[torch.Tensor]], None] | None = None
+    #: what thunder_dtensor does with the entry's cases (asserted), unless ``outcomes`` names a case
+    expect: Outcome = RUNS
+    #: the cases that do otherwise, by their placements as in the case id ("S(1)", "S(0)-R-R"), at every world size,
+    #: or at one with "@4" (uneven shards); test_ops.py checks that every key names a case
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+
+    def outcome(self, combo: tuple, world_size: int) -> Outcome:
+        """What thunder_dtensor does with the case of these placements at this world size."""
+        key = placements_id(combo)
+        return self.outcomes.get(f"{key}@{world_size}", self.outcomes.get(key, self.expect))
 
     def placement_choices(self, i: int, ndim: int) -> list:
         spec = self.sweep[i] if i < len(self.sweep) else "replicate"
@@ -127,6 +145,9 @@ def _dropout_check(p: float) -> Callable[[CaseResult, list[torch.Tensor]], None]
 HEADS = [[Shard(0)], [Shard(1)], [Replicate()]]  # batch, heads, replicated
 B, H, S, D = 2, 4, 6, 8
 
+#: eager DTensor refuses the case; thunder_dtensor runs the op on replicated inputs (gathered), with a warning
+REPLICATED = rewritten("replicated fallback")
+
 OP_DB: list[OpEntry] = [
     # --- pointwise --------------------------------------------------------------------------------
     OpEntry("add", torch.add, [(6, 8), (6, 8)], partial=True),
@@ -182,16 +203,24 @@ OP_DB: list[OpEntry] = [
     OpEntry("bmm", torch.bmm, [(4, 6, 8), (4, 8, 2)], sweep=("all", "all")),
     OpEntry("matmul_3d", torch.matmul, [(4, 6, 8), (8, 2)], sweep=("all", "all")),
     OpEntry("linear", F.linear, [(6, 8), (4, 8)], sweep=("all", "all")),
-    OpEntry("linear_bias", F.linear, [(2, 6, 8), (4, 8), (4,)], sweep=("all", "all", "all")),
+    # a 3-D input of 2 rows sharded over 4 ranks: eager cannot flatten it for the matmul
+    OpEntry(
+        "linear_bias",
+        F.linear,
+        [(2, 6, 8), (4, 8), (4,)],
+        sweep=("all", "all", "all"),
+        outcomes={"S(0)-S(0)-S(0)@4": REPLICATED, "S(0)-R-R@4": REPLICATED},
+    ),
     # --- views ------------------------------------------------------------------------------------
     OpEntry("view", lambda x: x.view(6, 4, 2), [(6, 8)]),
-    OpEntry("reshape", lambda x: x.reshape(-1), [(6, 8)]),
+    OpEntry("reshape", lambda x: x.reshape(-1), [(6, 8)], outcomes={"S(0)@4": REPLICATED}),  # uneven: eager refuses
     OpEntry("transpose", lambda x: x.transpose(0, 1) * 2, [(6, 8)]),
     OpEntry("t", lambda x: x.t() * 2, [(6, 8)]),
     OpEntry("permute", lambda x: x.permute(2, 0, 1) * 2, [(4, 6, 8)]),
     OpEntry("unsqueeze", lambda x: x.unsqueeze(1) * 2, [(6, 8)]),
-    OpEntry("squeeze", lambda x: x.squeeze(1) * 2, [(6, 1, 8)]),
-    OpEntry("flatten", lambda x: torch.flatten(x, 1) * 2, [(4, 6, 8)]),
+    # eager refuses to squeeze away a sharded dim (of size 1: one rank holds it, the other nothing)
+    OpEntry("squeeze", lambda x: x.squeeze(1) * 2, [(6, 1, 8)], outcomes={"S(1)": REPLICATED}),
+    OpEntry("flatten", lambda x: torch.flatten(x, 1) * 2, [(4, 6, 8)], outcomes={"S(1)@4": REPLICATED}),  # uneven
     OpEntry("expand", lambda x: x.expand(4, 6, 8) * 1, [(6, 8)]),
     OpEntry("contiguous", lambda x: x.transpose(0, 1).contiguous() * 2, [(6, 8)]),
     OpEntry("split", lambda x: [t * (i + 1) for i, t in enumerate(torch.split(x, [2, 6], dim=1))], [(6, 8)]),
@@ -204,9 +233,15 @@ OP_DB: list[OpEntry] = [
     OpEntry("softmax", lambda x: torch.softmax(x, dim=-1), [(6, 8)]),
     OpEntry("log_softmax", lambda x: F.log_softmax(x, dim=1), [(6, 8)]),
     OpEntry("layer_norm", lambda x, w, b: F.layer_norm(x, (8,), w, b), [(2, 6, 8), (8,), (8,)]),
-    OpEntry("rms_norm", lambda x, w: F.rms_norm(x, (8,), w), [(2, 6, 8), (8,)]),
+    # the normalized dim sharded: eager refuses the in-place add_ of its decomposition (a placement change)
+    OpEntry("rms_norm", lambda x, w: F.rms_norm(x, (8,), w), [(2, 6, 8), (8,)], outcomes={"S(2)-R": REPLICATED}),
     # what dynamo records for F.rms_norm / nn.RMSNorm
-    OpEntry("torch_rms_norm", lambda x, w: torch.rms_norm(x, (8,), w, 1e-5), [(2, 6, 8), (8,)]),
+    OpEntry(
+        "torch_rms_norm",
+        lambda x, w: torch.rms_norm(x, (8,), w, 1e-5),
+        [(2, 6, 8), (8,)],
+        outcomes={"S(2)-R": REPLICATED},
+    ),
     OpEntry("view_as_complex_real", lambda x: torch.view_as_real(torch.view_as_complex(x) * 2j), [(2, 6, 8, 2)]),
     OpEntry(
         "embedding",
@@ -271,6 +306,13 @@ OP_DB: list[OpEntry] = [
             ("_batch_sharded", {"sweep": ([[Shard(0)]], [[Shard(0)], [Replicate()]]), "eager": False}),
         )
     ),
+    # --- data-dependent output shapes: no trace can hold one (plain thunder refuses them too) -----------------
+    OpEntry(
+        "masked_select",
+        lambda x: torch.masked_select(x, x > 0),
+        [(6, 8)],
+        expect=raises(DataDependentValueError, "its output's shape depends on the data"),
+    ),
     # --- factories --------------------------------------------------------------------------------
     OpEntry("zeros_like", lambda x: x + torch.zeros_like(x), [(6, 8)]),
     OpEntry("ones_like", lambda x: x * torch.ones_like(x), [(6, 8)]),
@@ -282,9 +324,14 @@ def all_cases() -> list[tuple[OpEntry, tuple]]:
     return [(entry, combo) for entry in OP_DB for combo in entry.cases()]
 
 
+def placements_id(combo: tuple) -> str:
+    """A case's placements as its id writes them: "S(0)-R" (an input's placements on a 2-D mesh run together)."""
+    return "-".join("".join(str(p) for p in c) for c in combo)
+
+
 def case_id(case: tuple[OpEntry, tuple]) -> str:
     entry, combo = case
-    return entry.name + "-" + "-".join("".join(str(p) for p in c) for c in combo)
+    return entry.name + "-" + placements_id(combo)
 
 
-__all__ = ["OP_DB", "OpEntry", "all_cases", "case_id", "itertools"]
+__all__ = ["OP_DB", "OpEntry", "all_cases", "case_id", "itertools", "placements_id"]

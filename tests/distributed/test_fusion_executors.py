@@ -9,7 +9,7 @@ the default executors'. (`make bench` runs every bench model that way: its `thun
 import copy
 import functools
 
-from thunder_dtensor.lowering import COLLECTIVE_SYMBOLS, _symbol_name
+from thunder_dtensor.lowering import COLLECTIVE_SYMBOLS, symbol_name
 from thunder_dtensor.testing import mesh_1d
 from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_rotary, apply_tp, rotary_frequencies
 from thunder_dtensor.testing.training import full_value
@@ -58,7 +58,7 @@ def test_lowered_local_ops_are_thunder_symbols():
     jitted = thunder.jit(model)
     tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(7))
     jitted(tokens).float().pow(2).mean().backward()
-    with_equivalent = {_symbol_name(op) for op in THUNDER_EQUIVALENTS}
+    with_equivalent = {symbol_name(op) for op in THUNDER_EQUIVALENTS}
     for trace in (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]):
         names = _names(trace)
         assert not [n for n in names if n.startswith("dtensor_") and n.endswith("_prim")], "not lowered"

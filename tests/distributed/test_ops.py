@@ -3,28 +3,33 @@
 Values and gradients are compared with plain torch on the full tensors (random ops: with eager DTensor on
 the same seed); placements with eager DTensor where eager can run the case, and collectives of each kind,
 forward and backward, too: the jit may do no more than eager in the phases of ``COMMS_ASSERTED``; the rest
-is reported at the end of the session (see ``conftest.py``).
+is reported at the end of the session (see ``conftest.py``). Each case's declared outcome (runs, rewritten,
+raises: ``op_db.py``) is asserted.
 """
 
 import zlib
 
+from thunder_dtensor.errors import DataDependentValueError, DTensorOpError
 from thunder_dtensor.testing import (
     COMM_COMPARISONS,
     COMMS_ASSERTED,
+    RUNS,
     CommComparison,
     DTensorCase,
     assert_no_more_comms,
     comm_report,
     make_full,
+    raises,
+    rewritten,
     run_case,
     world_size,
 )
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
-from .op_db import all_cases, case_id
+from .op_db import OP_DB, all_cases, case_id, placements_id
 
 
 def _needs_four_ranks(case) -> bool:
@@ -64,6 +69,7 @@ def test_op(case):
         atol=entry.atol,
         random=entry.random,
         assert_comms=COMMS_ASSERTED,
+        expect=entry.outcome(placements, world_size()),
     )
     if entry.check is not None:
         entry.check(result, inputs)
@@ -89,3 +95,34 @@ def test_collectives_are_counted_and_compared():
     with pytest.raises(AssertionError, match="backward: the jit does more collectives"):
         assert_no_more_comms([more], ("forward", "backward"))
     assert comm_report([more, forward])[0] == "jit does more collectives than eager in 1 cases (world size 2):"
+
+
+def test_declared_outcomes_name_cases():
+    """Every case an entry's ``outcomes`` names exists (a misspelt key would leave its case declared RUNS)."""
+    for entry in OP_DB:
+        ids = {placements_id(combo) for combo in entry.cases()}
+        unknown = {key for key in entry.outcomes if key.split("@")[0] not in ids}
+        assert not unknown, f"{entry.name}: no case has the placements {unknown} (cases: {sorted(ids)})"
+        assert all(key.split("@")[1:] in ([], ["2"], ["4"]) for key in entry.outcomes), entry.outcomes
+
+
+def test_a_case_that_does_otherwise_than_declared_fails():
+    """The declared outcome is asserted: a case that runs fails as rewritten or raising, a rewritten one as RUNS,
+    a raising one as another error or another message."""
+    x = make_full((6, 1, 8), seed=1)
+
+    def squeeze(t):
+        return t.squeeze(1) * 2
+
+    runs = DTensorCase(squeeze, [x], [[Replicate()]], requires_grad=[False])
+    for wrong in (rewritten("replicated fallback"), raises(DTensorOpError, "placements")):
+        with pytest.raises(AssertionError, match="declared"):
+            run_case(runs, backward=False, expect=wrong)
+    refused = DTensorCase(squeeze, [x], [[Shard(1)]], requires_grad=[False])  # eager refuses; replicated fallback
+    for wrong in (RUNS, rewritten("decomposition")):
+        with pytest.raises(AssertionError, match="declared"):
+            run_case(refused, backward=False, expect=wrong)
+    data_dependent = DTensorCase(lambda t: torch.masked_select(t, t > 0), [x], [[Shard(0)]], requires_grad=[False])
+    for wrong in (raises(DTensorOpError, "depends on the data"), raises(DataDependentValueError, "no such words")):
+        with pytest.raises(AssertionError, match="declared"):
+            run_case(data_dependent, backward=False, expect=wrong)

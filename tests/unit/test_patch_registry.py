@@ -274,3 +274,53 @@ def test_layout_checks_name_what_they_expect_and_errors_name_the_declared_versio
     assert "expected thunder.common.other_hook, found thunder.common" in message
     assert registry.declared_versions() in message and "lightning-thunder 0.2.6" in message
     assert not hasattr(registry, "expects_any")  # no patch of the package accepts whatever a slot holds
+
+
+_INSTALLER_CALLERS = """
+import sys
+
+callers = []
+
+
+def note(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "install" and frame.f_code.co_filename.endswith("registry.py"):
+        modules, f = [], frame.f_back
+        while f is not None:  # every module body on the stack, as its file
+            if f.f_code.co_name == "<module>" and "thunder_dtensor" in f.f_code.co_filename:
+                modules.append(f.f_code.co_filename.split("thunder_dtensor")[-1])
+            f = f.f_back
+        callers.append((frame.f_locals["record"].name, modules))
+
+
+sys.setprofile(note)
+import thunder_dtensor  # noqa: E402
+
+sys.setprofile(None)
+print(repr(callers))
+"""
+
+
+def test_installers_run_from_the_packages_root_only():
+    """No module installs anything as it is imported: every installer runs inside the body of
+    ``thunder_dtensor/__init__.py`` alone (directly, or in a feature module's ``install()`` called there)."""
+    import ast
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _INSTALLER_CALLERS], capture_output=True, text=True, check=True)
+    callers = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    assert len(callers) > 30
+    elsewhere = [(name, modules) for name, modules in callers if modules != ["/__init__.py"]]
+    assert not elsewhere, elsewhere
+
+
+def test_thunders_getattr_lookaside_is_wrapped_once_with_handlers_in_their_stated_order():
+    from thunder_dtensor._integration import attribute_reads
+
+    wrappers = [p for p in registry.installed() if p.in_table and p.slot is getattr]
+    assert [p.owner for p in wrappers] == ["attribute_reads.read_attributes_through_handlers"]
+    instead, after = attribute_reads._ORDERED
+    assert instead == (attribute_reads._INSTEAD["register_gradient_hooks_on_real_tensors"],)
+    assert after == tuple(attribute_reads._AFTER[n] for n in attribute_reads.ATTRIBUTE_READ_HANDLERS[1:])
+    with pytest.raises(ValueError, match="not among ATTRIBUTE_READ_HANDLERS"):
+        attribute_reads.on_attribute_read("unlisted", lambda obj, name, value: value, when="after")

@@ -75,6 +75,7 @@ lowering's ATen recorder) and ``autograd_would_have_decomposed``, ``torch._dispa
 
 from __future__ import annotations
 
+from thunder_dtensor._integration.attribute_reads import read_attributes_through_handlers
 from thunder_dtensor._integration.autocast import (
     install_autocast_hook,
     interpreting_user_program,
@@ -455,6 +456,7 @@ __all__ = [
     "prims",
     "put_grad",
     "pyval",
+    "read_attributes_through_handlers",
     "read_root_module_state_from_user_module",
     "recording_aten_calls",
     "register_executor",

@@ -119,7 +119,7 @@ def _function_apply_shim() -> Iterator[None]:
         return
     builtin = vars(function)["apply"]
     apply = python_function_apply(builtin)
-    function.apply = classmethod(apply)
+    function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]  # (patching torch)
     try:
         yield
     finally:
@@ -128,7 +128,7 @@ def _function_apply_shim() -> Iterator[None]:
 
 def _restore_function_apply(builtin: Any, apply: Callable) -> None:
     """torch's ``Function.apply`` back in place; thunder's lookaside keyed by the stand-in set aside."""
-    torch.autograd.function.Function.apply = builtin
+    torch.autograd.function.Function.apply = builtin  # type: ignore[method-assign]  # (patching torch)
     from thunder.core import jit_ext
 
     lookaside = jit_ext._general_jit_lookaside_map.pop(apply, None)
@@ -222,11 +222,15 @@ from thunder.core.compile_data import get_compile_data  # noqa: E402
 from thunder.core.langctxs import Languages, langctx  # noqa: E402
 from thunder.core.prims import OpTags, make_prim  # noqa: E402
 from thunder.core.proxies import AnyProxy, NumberProxy, Proxy, TensorProxy, pyval, variableify  # noqa: E402
-from thunder.core.pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
+from thunder.core.pytree import tree_flatten, tree_unflatten  # noqa: E402
+from thunder.core.pytree import tree_map as _tree_map  # noqa: E402
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag, Symbol  # noqa: E402
 from thunder.core.trace import TraceCtx, from_trace, get_tracectx, tracectx  # noqa: E402
 from thunder.core.transforms import get_grad, put_grad, put_grads, register_grad  # noqa: E402
 from thunder.extend import OperatorExecutor, add_always_executor, register_executor  # noqa: E402
+
+#: thunder's ``tree_map``: a ``functools.partial`` of optree's, whose generic signature mypy cannot solve through it
+tree_map: Callable[..., Any] = _tree_map
 
 __all__ = [
     "AnyProxy",
@@ -282,8 +286,9 @@ if DISTRIBUTED_AVAILABLE:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 else:  # pragma: no cover - exercised by the no-distributed test through a subprocess
-    FakeTensorMode = DeviceMesh = DTensor = DTensorSpec = TensorMeta = None
-    Partial = Placement = Replicate = Shard = _StridedShard = None
+    # (the names exist, as None, where torch.distributed does not: mypy sees the branch above's classes)
+    FakeTensorMode = DeviceMesh = DTensor = DTensorSpec = TensorMeta = None  # type: ignore[misc, assignment]
+    Partial = Placement = Replicate = Shard = _StridedShard = None  # type: ignore[misc, assignment]
 
 
 def is_strided_shard(placement: Any) -> bool:
@@ -321,7 +326,12 @@ def size_hint(s: Any) -> int:
 
 def spec_with_sizes(spec: Any, shape: Any, stride: Any) -> Any:
     """``spec`` with its global shape and stride replaced (as tuples of ints)."""
-    meta = TensorMeta(tuple(size_hint(s) for s in shape), tuple(size_hint(s) for s in stride), spec.tensor_meta.dtype)
+    # (tuples of ints where torch annotates a torch.Size: they compare and hash alike)
+    meta = TensorMeta(
+        tuple(size_hint(s) for s in shape),  # type: ignore[arg-type]
+        tuple(size_hint(s) for s in stride),
+        spec.tensor_meta.dtype,
+    )
     return dataclasses.replace(spec, tensor_meta=meta)
 
 
@@ -442,8 +452,8 @@ def decompositions_dtensor_lacks() -> dict:
         handled |= set(getattr(propagator, "op_single_dim_strategy_funcs", {}))  # (torch >= 2.12 has it)
         # the core-ATen table: its decompositions produce aten ops (the full table's refs produce prims.*,
         # which DTensor has no strategies for)
-        table = core_aten_decompositions()
-        _DECOMPOSITIONS_WITHOUT_STRATEGY = {op: fn for op, fn in table.items() if op not in handled}
+        decompositions = core_aten_decompositions()
+        _DECOMPOSITIONS_WITHOUT_STRATEGY = {op: fn for op, fn in decompositions.items() if op not in handled}
     return _DECOMPOSITIONS_WITHOUT_STRATEGY
 
 

@@ -7,8 +7,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from thunder_dtensor._integration.attribute_reads import on_attribute_read
 from thunder_dtensor._integration.bootstrap import TensorProxy
-from thunder_dtensor._integration.registry import JIT_LOOKASIDES, expects_absent, expects_function, installer, patch
+from thunder_dtensor._integration.registry import JIT_LOOKASIDES, expects_absent, installer, patch
 
 import torch
 
@@ -78,6 +79,20 @@ class FSDPGroupLayout:
         "sum_then_divide",
         "unsupported",
     )
+    # the slots' types (annotations only: no class attributes)
+    divide_factor: float
+    group: weakref.ref[Any]
+    name: str
+    param_dtype: torch.dtype | None
+    params: tuple[FSDPParamLayout, ...]
+    reduce_dtype: torch.dtype | None
+    replicate_group: Any
+    reshard_after_forward: bool
+    shard_group: Any
+    shard_rank: int
+    shard_size: int
+    sum_then_divide: bool
+    unsupported: str
 
     def __init__(self, **fields: Any) -> None:
         for name in self.__slots__:
@@ -223,7 +238,6 @@ def install_fsdp_support(
     from thunder.core import interpreter, jit_ext
 
     lookasides = jit_ext._general_jit_lookaside_map
-    previous_getattr = lookasides[getattr]
     pre_forward, post_forward = fsdp_state_hook_functions()
 
     def pre_forward_lookaside(state: Any, module: Any, args: Any, kwargs: Any) -> Any:
@@ -241,8 +255,7 @@ def install_fsdp_support(
     patch(lookasides, pre_forward, pre_forward_lookaside, table=JIT_LOOKASIDES, expects=expects_absent)
     patch(lookasides, post_forward, post_forward_lookaside, table=JIT_LOOKASIDES, expects=expects_absent)
 
-    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
-        value = previous_getattr(obj, name, *maybe_default)
+    def parameter_read_lookaside(obj: Any, name: Any, value: Any) -> Any:
         if value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED or not isinstance(
             interpreter.unwrap(obj), torch.nn.Module
         ):
@@ -263,8 +276,7 @@ def install_fsdp_support(
         )
         return interpreter.wrap(replacement, provenance=record)
 
-    expects = expects_function(("thunder", "thunder_dtensor"), "obj", "name")  # thunder's, or ours over it
-    patch(lookasides, getattr, getattr_lookaside, table=JIT_LOOKASIDES, expects=expects)
+    on_attribute_read("fsdp_parameter_reads", parameter_read_lookaside, when="after")
 
 
 def interpret_call(fn: Callable, *args: Any) -> Any:
@@ -303,4 +315,4 @@ def mark_recomputed_in_backward(proxy: Any) -> None:
     """Have thunder's autodiff recompute ``proxy``'s producer in the backward instead of saving ``proxy``."""
     from thunder.core.proxies import ProxyTag
 
-    proxy.tags.add(ProxyTag.RECOMPUTE_IN_BACKWARD)
+    proxy.tags.add(ProxyTag.RECOMPUTE_IN_BACKWARD)  # type: ignore[attr-defined]  # (a tag registered at runtime)

@@ -16,7 +16,7 @@ import contextvars
 import functools
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor._integration.registry import expects_function, installer, patch
 
@@ -133,6 +133,10 @@ class _Call:
     """One call of a jitted function: its arguments, and the answer once asked."""
 
     __slots__ = ("answer", "args", "cd", "kwargs")
+    answer: bool | None
+    args: tuple
+    cd: Any
+    kwargs: dict
 
     def __init__(self, cd: Any, args: tuple, kwargs: dict) -> None:
         self.cd, self.args, self.kwargs, self.answer = cd, args, kwargs, None
@@ -191,7 +195,7 @@ def jitted_function_compile_data(fn: Callable) -> Callable[[], Any] | None:
     names = fn.__code__.co_freevars
     if "weakref_cd" not in names:  # not a jitted function's (thunderfx's splitter tests ops through it too)
         return None
-    return fn.__closure__[names.index("weakref_cd")].cell_contents
+    return cast(tuple[types.CellType, ...], fn.__closure__)[names.index("weakref_cd")].cell_contents
 
 
 def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:

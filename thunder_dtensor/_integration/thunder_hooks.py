@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+from thunder_dtensor._integration.attribute_reads import on_attribute_read
 from thunder_dtensor._integration.bootstrap import (
     BoundSymbol,
     DeviceMesh,
@@ -169,7 +170,9 @@ def accept_dtensor_proxies(symbol: Symbol) -> Symbol:
     For metadata queries (``dim``, ``numel``) whose logic only reads the global shape and dtype.
     """
     unguarded = getattr(symbol.meta, "__wrapped__", symbol.meta)
-    return ltorch.torchsymbol(id=f"thunder_dtensor.{symbol.name}", allow_tensor_subclass_proxy=True)(unguarded)
+    return ltorch.torchsymbol(id=f"thunder_dtensor.{symbol.name}", allow_tensor_subclass_proxy=True)(
+        cast(Callable, unguarded)  # (a torch symbol has a meta)
+    )
 
 
 class _ZerosBinder:
@@ -475,10 +478,8 @@ def read_root_module_state_from_user_module() -> None:
 
     why = "the prologue reads a jitted module's hook dicts from the user's module, not its ThunderModule"
     declare_fix("read_root_module_state_from_user_module", "dtensor", why)
-    thunder_getattr = jit_ext._general_jit_lookaside_map[getattr]
 
-    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
-        value = thunder_getattr(obj, name, *maybe_default)
+    def hook_dict_read(obj: Any, name: Any, value: Any) -> Any:
         if (
             value is not interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
             and isinstance(interpreter.unwrap(obj), torch.nn.Module)
@@ -497,14 +498,7 @@ def read_root_module_state_from_user_module() -> None:
                 record.ext_flag |= jit_ext.EXT_FLAG_IS_CALLABLE
         return value
 
-    lookasides = jit_ext._general_jit_lookaside_map
-    patch(
-        lookasides,
-        getattr,
-        getattr_lookaside,
-        table=JIT_LOOKASIDES,
-        expects=expects_function(("thunder.core", "thunder_dtensor"), "obj", "name"),  # thunder's, or ours over it
-    )
+    on_attribute_read("read_root_module_state_from_user_module", hook_dict_read, when="after")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -522,8 +516,12 @@ def inplace_torchsymbol(name: str) -> Callable[[Callable], Symbol]:
     """
 
     def decorate(fn: Callable) -> Symbol:
+        # (thunder annotates ``tags`` as a list and ``out_of_place`` as a Symbol; it reads any sequence and callable)
         make = ltorch.torchsymbol(
-            id=f"thunder_dtensor.{name}", allow_tensor_subclass_proxy=True, tags=(OpTags.IN_PLACE,), out_of_place=fn
+            id=f"thunder_dtensor.{name}",
+            allow_tensor_subclass_proxy=True,
+            tags=(OpTags.IN_PLACE,),  # type: ignore[arg-type]
+            out_of_place=fn,  # type: ignore[arg-type]
         )
         sym = make(fn)
         ltorch._inplace_to_out_of_place.pop(sym, None)
@@ -604,21 +602,22 @@ def keep_dtensors_in_alias_updates(
         # put before it) and comes out as the return again.
         returns_dtensors = [
             b.sym.id == prims.PrimIDs.RETURN and any(is_dtensor_proxy(a) for a in b.flat_proxy_args)
-            for b in trace.bound_symbols
+            for b in cast(list[BoundSymbol], trace.bound_symbols)
         ]
         if not any(returns_dtensors):
             return thunder_insert_alias_updates(trace, alias_tensor_indices)
         disguised = from_trace(trace)
         disguised.bound_symbols = [
             b.from_bsym(sym=return_through_updates) if is_return else b
-            for b, is_return in zip(trace.bound_symbols, returns_dtensors)
+            for b, is_return in zip(cast(list[BoundSymbol], trace.bound_symbols), returns_dtensors)
         ]
         updated = thunder_insert_alias_updates(disguised, alias_tensor_indices)
         if updated is disguised:  # nothing is written in place: thunder returns the trace as it was
             return trace
         python_return = next(b.sym for b, is_return in zip(trace.bound_symbols, returns_dtensors) if is_return)
         updated.bound_symbols = [
-            b.from_bsym(sym=python_return) if b.sym is return_through_updates else b for b in updated.bound_symbols
+            b.from_bsym(sym=python_return) if b.sym is return_through_updates else b
+            for b in cast(list[BoundSymbol], updated.bound_symbols)
         ]
         return updated
 
@@ -650,7 +649,7 @@ def keep_dtensors_in_alias_updates(
 
 def local_shards_alias(a: Any, b: Any) -> bool:
     """Whether two DTensors' local shards share memory (``a`` a view of ``b``), on real and fake tensors alike."""
-    return torch._C._is_alias_of(local_tensor(a), local_tensor(b))
+    return torch._C._is_alias_of(local_tensor(a), local_tensor(b))  # type: ignore[attr-defined]  # (not in torch's stubs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -666,7 +665,7 @@ def install_compiled_program_hook(on_compiled: Callable[[Any, Any], None]) -> No
     is cached. Installed once; the traces are those the entry runs (the forward as before its conversion
     to torch types, which changes no dtensor op).
     """
-    base = thunder.CacheEntry
+    base: Any = thunder.CacheEntry  # (a namedtuple class)
 
     class CacheEntry(base):
         __slots__ = ()
@@ -693,7 +692,7 @@ def wrap_compiled_backwards(wrap: Callable[[Any], Callable | None]) -> None:
     the entry keeps. thunder calls an entry's ``backward_fn(saved_for_backward, cotangents)`` from its
     autograd function; the wrapper takes the same arguments.
     """
-    base = thunder.CacheEntry
+    base: Any = thunder.CacheEntry  # (a namedtuple class)
 
     class CacheEntry(base):
         __slots__ = ()

@@ -43,7 +43,7 @@ _DYNAMO_DTENSOR_CALL_CLOSURES = {
 
 def is_dynamo_dtensor_method_closure(target: Any) -> bool:
     """Whether an fx node's target is such a function (thunder interprets it: its body is the DTensor call)."""
-    module = _DYNAMO_DTENSOR_CALL_CLOSURES.get(getattr(target, "__name__", None))
+    module = _DYNAMO_DTENSOR_CALL_CLOSURES.get(getattr(target, "__name__", None))  # type: ignore[arg-type]  # (None: no entry)
     return module is not None and getattr(target, "__module__", None) == module
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor._integration.fixes.speedups import _interpretable_copy, _read_through_interpreter
 from thunder_dtensor._integration.registry import JIT_LOOKASIDES, expects_absent, patch
@@ -43,7 +43,7 @@ def register_lookaside(
     from thunder.core import interpreter, jit_ext
 
     wrapped = jit_ext.interpreter_needs_wrap(lookaside)
-    interpreted = _interpretable_copy(fn)
+    interpreted = _interpretable_copy(cast(types.FunctionType, fn))  # (a Python function)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if applies is not None:

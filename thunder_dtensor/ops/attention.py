@@ -228,6 +228,7 @@ def cpu_fused_attention_shardings(query, key, value, dropout_p=0.0, is_causal=Fa
     return choices
 
 
-ti.scope_sharding_rules_to_thunderfx_calls(
-    {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: cpu_fused_attention_shardings}
-)
+#: sharding rules torch lacks, put in DTensor's tables only during thunderfx calls (by the package's root)
+THUNDERFX_SHARDING_RULES = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: cpu_fused_attention_shardings
+}

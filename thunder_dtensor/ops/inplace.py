@@ -51,7 +51,7 @@ from thunder_dtensor.primitive import (
     define_vjp,
     propagate_on_fake_dtensors,
 )
-from thunder_dtensor.proxy import DTensorProxy, is_dtensor_proxy
+from thunder_dtensor.proxy import DTensorProxy
 
 import torch
 
@@ -421,7 +421,10 @@ def _register_inplace_dropout() -> int:
     return 1
 
 
-ti.keep_dtensors_in_alias_updates(
-    is_dtensor_proxy, lambda p: DTensorProxy(like=p, requires_grad=p.requires_grad), dtensor_update_aliases_prim
-)
+def dtensor_alias_proxy(p: DTensorProxy) -> DTensorProxy:
+    """The proxy thunder's alias updates make for a DTensor's: a DTensor proxy again (the package's root hands
+    this to ``keep_dtensors_in_alias_updates``)."""
+    return DTensorProxy(like=p, requires_grad=p.requires_grad)
+
+
 register_inplace_ops()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor, register_method_for_dtensor
@@ -211,7 +211,7 @@ _binary_vjp(dtensor_minimum_prim, _minmax_grads(dtensor_lt_prim))
 # ---------------------------------------------------------------------------------------------------------
 # Elementwise unary ops
 # ---------------------------------------------------------------------------------------------------------
-dtensor_neg_prim = define_dtensor_prim("neg", torch.neg)
+dtensor_neg_prim: ti.Symbol = define_dtensor_prim("neg", torch.neg)  # (annotated: used above, in a lambda)
 dtensor_abs_prim = define_dtensor_prim("abs", torch.abs)
 dtensor_exp_prim = define_dtensor_prim("exp", torch.exp)
 dtensor_log_prim = define_dtensor_prim("log", torch.log)
@@ -462,7 +462,7 @@ def _is_device(x: Any) -> bool:
 
 def _same_device(a: Any, device: Any) -> bool:
     """Whether ``device`` names ``a``'s device (an index left out names the current one, as in torch)."""
-    have = ti.devices.to_torch_device(a.device)
+    have = cast(torch.device, ti.devices.to_torch_device(a.device))  # (a proxy has a device)
     want = ti.devices.to_torch_device(device) if isinstance(device, ti.devices.Device) else torch.device(device)
     return want.type == have.type and (want.index is None or want.index == have.index)
 
@@ -516,7 +516,7 @@ dtensor_to = define_dtensor_symbol(_to)
 
 
 def _register() -> None:
-    binary = {
+    binary: dict[Callable, Callable] = {
         torch.add: dtensor_add,
         torch.sub: dtensor_sub,
         torch.mul: dtensor_mul,

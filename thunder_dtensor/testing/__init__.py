@@ -22,9 +22,11 @@ import torch.distributed as dist
 __all__ = [
     "COMMS_ASSERTED",
     "COMM_COMPARISONS",
+    "RUNS",
     "CaseResult",
     "CommComparison",
     "DTensorCase",
+    "Outcome",
     "assert_jit_matches_eager",
     "assert_matches_full",
     "assert_no_more_comms",
@@ -36,6 +38,8 @@ __all__ = [
     "make_full",
     "mesh_1d",
     "mesh_2d",
+    "raises",
+    "rewritten",
     "run_case",
     "world_size",
     "write_comm_report",
@@ -125,6 +129,97 @@ class DTensorCase:
     kwargs: dict = field(default_factory=dict)
 
 
+#: the ways a rewritten op runs (``thunder_dtensor.ops.no_rule.HOW_OPS_RAN``), most preferred first
+REWRITES: tuple[str, ...] = ("decomposition", "replicated fallback")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What thunder_dtensor does with a case, declared by the test; :func:`run_case` (``expect=``) asserts it.
+
+    - ``RUNS``: it runs on DTensor's sharding rules, no op rewritten, with plain torch's values (and eager
+      DTensor's placements where the case is compared with eager, which must then run it too);
+    - ``rewritten(how)``: it runs with an op rewritten (``ops/no_rule.py``: where eager DTensor has no rule, or
+      one known to be wrong), ``how`` the least preferred way any op ran, with plain torch's values (and eager's
+      placements where eager runs it);
+    - ``raises(error, match)``: it raises ``error`` itself (not a subclass), whose message contains ``match``.
+    """
+
+    kind: str
+    how: str | None = None
+    error: type[Exception] | None = None
+    match: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "rewritten":
+            return f"rewritten ({self.how})"
+        if self.kind == "raises":
+            return f"raises {getattr(self.error, '__name__', self.error)}({self.match!r})"
+        return self.kind
+
+
+RUNS = Outcome("runs")
+
+
+def rewritten(how: str) -> Outcome:
+    """The case runs with an op rewritten, ``how`` ("decomposition" or "replicated fallback") the least
+    preferred way any op of it ran."""
+    assert how in REWRITES, how
+    return Outcome("rewritten", how=how)
+
+
+def raises(error: type[Exception], match: str) -> Outcome:
+    """The case raises exactly ``error`` (a named error, not a subclass of it), with ``match`` in its message."""
+    assert match, "name a fragment of the message: the error must be raised for the declared reason"
+    return Outcome("raises", error=error, match=match)
+
+
+def _how_ops_ran() -> dict[str, str]:
+    from thunder_dtensor.ops.no_rule import HOW_OPS_RAN
+
+    return dict(HOW_OPS_RAN)
+
+
+def _assert_ran_as(expect: Outcome | None, how_ops_ran: dict[str, str], eager_failure: Exception | None) -> None:
+    """The run matched ``expect``: no op rewritten for RUNS, else the declared way (None: anything that ran)."""
+    if expect is None:
+        if eager_failure is not None and not how_ops_ran:
+            raise AssertionError(f"eager DTensor fails ({eager_failure!r}), thunder_dtensor runs it without a rewrite")
+        return
+    if expect.kind == "runs":
+        assert eager_failure is None, (
+            f"declared {expect}, but eager DTensor fails on the case ({eager_failure!r}): compare it with plain "
+            "torch only (compare_eager=False), or declare what thunder_dtensor does instead"
+        )
+        assert not how_ops_ran, f"declared {expect}, but ops ran rewritten: {how_ops_ran}"
+    elif expect.kind == "rewritten":
+        assert how_ops_ran, f"declared {expect}, but no op ran rewritten"
+        least = max(how_ops_ran.values(), key=REWRITES.index)
+        assert least == expect.how, f"declared {expect}, but the ops ran: {how_ops_ran}"
+    else:
+        raise AssertionError(f"declared {expect}, but the case ran")
+
+
+def _assert_raises(case: DTensorCase, expect: Outcome, jitted: Callable, inputs: list, backward: bool) -> CaseResult:
+    """``jitted`` on the case (forward, then backward with ones) raises the declared error."""
+    try:
+        outs = [o for o in _as_tuple(jitted(*inputs, **case.kwargs)) if isinstance(o, torch.Tensor)]
+        if backward and any(o.requires_grad for o in outs):
+            outs = [o for o in outs if o.requires_grad]
+            torch.autograd.backward(
+                outs, [_cotangent_like(o, torch.ones(o.shape, dtype=o.dtype, device=o.device)) for o in outs]
+            )
+    except Exception as error:
+        if type(error) is not expect.error or expect.match not in str(error):
+            raise AssertionError(f"declared {expect}, but it raises {type(error).__name__}: {error}") from error
+        from thunder_dtensor.errors import DTensorOpError
+
+        if isinstance(error, DTensorOpError):  # names the op and the inputs' placements
+            assert "input 0:" in str(error) and "placements=" in str(error), str(error)
+        return CaseResult(None, None, [], [], jitted, error=error)
+    raise AssertionError(f"declared {expect}, but the case ran (how ops ran: {_how_ops_ran() or 'no rewrite'})")
+
+
 @dataclass
 class CaseResult:
     thunder_out: Any
@@ -136,6 +231,10 @@ class CaseResult:
     comms: list = field(default_factory=list)
     #: the full cotangents the outputs were given in the backward (empty without a backward)
     cotangents: list = field(default_factory=list)
+    #: op name -> how its calls ran where rewritten (``ops/no_rule.py``'s ``HOW_OPS_RAN``); empty: none was
+    how_ops_ran: dict = field(default_factory=dict)
+    #: the error the case raised, where it was declared to (``raises``)
+    error: Exception | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -350,6 +449,7 @@ def run_case(
     label: str | None = None,
     jit_kwargs: dict | None = None,
     own_grad_placements: dict[int, Sequence[Any]] | None = None,
+    expect: Outcome | None = None,
 ) -> CaseResult:
     """Run ``case.fn`` under thunder.jit on DTensors and check it.
 
@@ -365,6 +465,10 @@ def run_case(
 
     ``own_grad_placements``: input index -> the gradient placements thunder_dtensor gives by design where they
     differ from eager's (the vocab-parallel table's gradient stays ``Shard(0)``); asserted instead of eager's.
+
+    ``expect``: what thunder_dtensor is declared to do with the case (:class:`Outcome`: ``RUNS``,
+    ``rewritten(how)`` or ``raises(error, match)``), asserted; a case eager DTensor fails is then checked against
+    plain torch only. Without it, a case eager DTensor fails must run rewritten (an error raised fails the test).
     """
     import contextlib
 
@@ -388,12 +492,19 @@ def run_case(
     def full(x: Any) -> Any:
         return x.full_tensor() if isinstance(x, DTensor) else x
 
+    from thunder_dtensor.ops.no_rule import HOW_OPS_RAN
+
+    HOW_OPS_RAN.clear()
+    jitted = thunder.jit(case.fn, **(jit_kwargs or {}))
+    if expect is not None and expect.kind == "raises":
+        return _assert_raises(case, expect, jitted, fresh_inputs(True), backward)
+
     plain = fresh_inputs(False)
     expected = _as_tuple(case.fn(*plain, **case.kwargs))
 
     eager_out = None
+    eager_failure: Exception | None = None
     eager_fwd, jit_fwd = counting(), counting()
-    jitted = thunder.jit(case.fn, **(jit_kwargs or {}))
     if compare_eager:
         from thunder_dtensor._integration import clear_sharding_propagation_cache
 
@@ -404,37 +515,17 @@ def run_case(
             reseed()
             with eager_fwd:
                 eager_out = _as_tuple(case.fn(*eager_inputs, **case.kwargs))
-        except Exception as eager_failure:
-            # eager DTensor rejects these placements: thunder rejects them too, at trace time, or runs the op
-            # rewritten (decomposed, or on replicated inputs: ops/no_rule.py), then checked against plain torch
-            from thunder_dtensor.errors import DTensorOpError
-            from thunder_dtensor.ops.no_rule import HOW_OPS_RAN
-
-            HOW_OPS_RAN.clear()
-            try:
-                jitted(*fresh_inputs(True), **case.kwargs)
-            except DTensorOpError as error:
-                assert "input 0:" in str(error) and "placements=" in str(error), str(error)
-                return CaseResult(None, eager_failure, [], [], None)
-            if not HOW_OPS_RAN:
-                raise AssertionError(
-                    f"eager DTensor fails ({eager_failure!r}) but thunder_dtensor ran it without a rewrite"
-                ) from None
-            return run_case(
-                case,
-                own_grad_placements=own_grad_placements,
-                backward=backward,
-                compare_eager=False,
-                rtol=rtol,
-                atol=atol,
-                random=random,
-                seed=seed,
-                label=label,
-                jit_kwargs=jit_kwargs,
-            )
-        # trace outside the counting mode (trace-time runs on stand-ins must not count); the counted call hits
-        # the cache
-        jitted(*fresh_inputs(True), **case.kwargs)
+        except Exception as error:
+            # eager DTensor rejects these placements: thunder_dtensor runs the case rewritten (decomposed, or on
+            # replicated inputs: ops/no_rule.py), checked against plain torch, or raises, as declared (``expect``)
+            assert not random, f"eager DTensor fails on a random case ({error!r}): no values to compare with"
+            if expect is not None and expect.kind == "runs":
+                _assert_ran_as(expect, {}, error)
+            eager_failure, compare_eager, jit_fwd = error, False, contextlib.nullcontext()
+        else:
+            # trace outside the counting mode (trace-time runs on stand-ins must not count); the counted call hits
+            # the cache
+            jitted(*fresh_inputs(True), **case.kwargs)
 
     dt_inputs = fresh_inputs(True)
     reseed()
@@ -493,5 +584,7 @@ def run_case(
                     assert same_placements(a.placements, expected_placements), (
                         f"grad {i}: placements {a.placements} != {expected_placements} (eager: {e.placements})"
                     )
+    how_ops_ran = _how_ops_ran()
+    _assert_ran_as(expect, how_ops_ran, eager_failure)
     assert_no_more_comms(comms, assert_comms)
-    return CaseResult(actual, eager_out, thunder_grads, eager_grads, jitted, comms, cotangents)
+    return CaseResult(actual, eager_out, thunder_grads, eager_grads, jitted, comms, cotangents, how_ops_ran)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import thunder
 import torch
@@ -31,7 +31,13 @@ def assert_grads_match(model: nn.Module, ref: nn.Module, what: str, **tol: float
             continue
         assert p.grad is not None, f"{what}: {name} has no gradient"
         expected = full_value(r.grad)
-        torch.testing.assert_close(full_value(p.grad), expected, **tol, msg=lambda m, n=name: f"{what}: {n}: {m}")
+        # (mypy cannot infer the type of a lambda with a default argument)
+        torch.testing.assert_close(
+            full_value(p.grad),
+            expected,
+            **cast(dict[str, Any], tol),  # rtol / atol
+            msg=lambda m, n=name: f"{what}: {n}: {m}",  # type: ignore[misc]
+        )
 
 
 def thunder_program(compiled: Any, compiler: str) -> Any:

@@ -10,7 +10,7 @@ import dis
 import functools
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor._integration.fixes.scoped_entries import add_scoped_lookaside
 from thunder_dtensor._integration.fixes.switches import EVERYWHERE, IN_DTENSOR_PROGRAMS, active, mode, switched
@@ -74,7 +74,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
 
     lookasides = jit_ext._general_jit_lookaside_map
     call_impl = torch.nn.Module._wrapped_call_impl
-    interpreted_call_impl = _interpretable_copy(call_impl)
+    interpreted_call_impl = _interpretable_copy(cast(types.FunctionType, call_impl))
     wrap_const, unwrap = interpreter.wrap_const, interpreter.unwrap
     raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
 
@@ -100,7 +100,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
             for hook_id in list(unwrap(hooks)):
                 hook = hook_by_id(hooks, hook_id)
                 if hook_id in user_module._forward_pre_hooks_with_kwargs:
-                    result = interpreter._interpret_call(hook, module, wrapped_args, wrapped_kwargs)
+                    result: Any = interpreter._interpret_call(hook, module, wrapped_args, wrapped_kwargs)
                     if result is raised:
                         return result
                     if unwrap(result) is None:
@@ -305,7 +305,8 @@ def run_interpreter_helpers_directly() -> None:
         )
 
     def call_method(method: Callable, container: Any, *args: Any) -> Any:
-        return interpreter._interpret_call(wrap_const(method), container, *args)
+        # (thunder annotates ``fn`` as a callable; it takes a wrapped one too)
+        return interpreter._interpret_call(wrap_const(method), container, *args)  # type: ignore[arg-type]
 
     def getitem(container: Any, key: Any) -> Any:
         """``container[key]`` (``key`` wrapped) as thunder's ``getitem_impl`` ends: the type's own ``__getitem__``."""
@@ -674,13 +675,16 @@ def _register_complex_views(ex: Any) -> None:
         return out
 
     ex.register_implementation(
-        ltorch.view_as_complex,
+        ltorch.view_as_complex,  # type: ignore[attr-defined]  # (thunder registers it at import)
         checker=_complex_viewable_on_cpu,
         execution_transform=as_complex,
         grad_transform=view_as_complex_grad,
     )
     ex.register_implementation(
-        ltorch.view_as_real, checker=_complex_on_cpu, execution_transform=as_real, grad_transform=view_as_real_grad
+        ltorch.view_as_real,  # type: ignore[attr-defined]  # (thunder registers it at import)
+        checker=_complex_on_cpu,
+        execution_transform=as_real,
+        grad_transform=view_as_real_grad,
     )
 
 

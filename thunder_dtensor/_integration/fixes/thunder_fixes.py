@@ -20,8 +20,9 @@ from __future__ import annotations
 import cmath  # noqa: E402
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
+from thunder_dtensor._integration.attribute_reads import NOT_ANSWERED, on_attribute_read
 from thunder_dtensor._integration.bootstrap import (
     FUNCTION_APPLY_IS_BUILTIN,
     OperatorExecutor,
@@ -72,12 +73,12 @@ def _conj(x: Any) -> Any:
         return x
     if isinstance(x, TensorProxy):
         return ltorch._torch_to_thunder_function_map[torch.conj_physical](x)
-    return pyval(x).conjugate()
+    return cast(complex, pyval(x)).conjugate()  # (a complex number)
 
 
 def _log(x: Any) -> Any:
     """``log`` of a tensor or of a (complex) number: thunder's number ``log`` takes real numbers only."""
-    return ltorch.log(x) if isinstance(x, TensorProxy) else cmath.log(pyval(x))
+    return ltorch.log(x) if isinstance(x, TensorProxy) else cmath.log(cast(complex, pyval(x)))
 
 
 def _holomorphic_grad_rule(prim: Symbol, vjps: tuple[Callable, ...], real_rule: Callable) -> Callable:
@@ -227,6 +228,7 @@ def fix_complex_gradients() -> None:
     rules[pids.LINEAR] = _complex_or_real_rule(_complex_linear_grad, grad_map[pids.LINEAR])
     rules[pids.REAL], rules[pids.IMAG] = _real_grad, _imag_grad
     fix = "fix_complex_gradients"
+    expects: Callable[[Any], str | None]
     for prim_id, rule in rules.items():
         if prim_id in (pids.REAL, pids.IMAG):
             expects, original = expects_absent, _no_backward(prim_id)
@@ -236,7 +238,7 @@ def fix_complex_gradients() -> None:
         patch(grad_map, prim_id, switched(fix, rule, original), table=GRAD_RULES, expects=expects)
     for name in (*_HOLOMORPHIC_BACKWARD_IMPLS, *_COMPLEX_DERIVATIVES):
         prim_id = getattr(pids, name)
-        backward = transforms.backward_impls[prim_id]
+        backward = cast(Callable, transforms.backward_impls[prim_id])
         conjugating = switched(fix, _conjugating_backward(backward, _COMPLEX_DERIVATIVES.get(name)), backward)
         expects = expects_qualified("thunder.core.transforms.<lambda>")  # thunder's one-line derivative
         patch(transforms.backward_impls, prim_id, conjugating, table=BACKWARD_IMPLS, expects=expects)
@@ -278,7 +280,7 @@ def is_sdpa_kernel_fx_target(target: Any) -> bool:
 
 
 @installer("thunder-fix", "sdpa_kernel(...) in jitted code runs at trace time only, with a feasibility check")
-def install_sdpa_kernel_support(*, context: type, set_backends: Callable, check_sdpa_call: Callable) -> None:
+def install_sdpa_kernel_support(*, context: type[Any], set_backends: Callable, check_sdpa_call: Callable) -> None:
     """Make thunder's interpreter run ``sdpa_kernel(...)`` (and dynamo's spelling of it) at trace time only.
 
     thunder 0.2.6 steps into ``sdpa_kernel`` and fails on its ``dict.fromkeys``; and stepping in would set
@@ -514,9 +516,8 @@ def register_gradient_hooks_on_real_tensors() -> None:
     from thunder.core import interpreter, jit_ext
 
     lookasides = jit_ext._general_jit_lookaside_map
-    previous_getattr = lookasides[getattr]
 
-    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
+    def gradient_hook_method(obj: Any, name: Any, *maybe_default: Any) -> Any:
         real = getattr(obj, "original_value", None)
         if (
             interpreter.unwrap(name) in GRADIENT_HOOK_METHODS
@@ -529,7 +530,7 @@ def register_gradient_hooks_on_real_tensors() -> None:
                 interpreter.PseudoInst.LOAD_ATTR, inputs=[obj.provenance, interpreter.wrap_const(name).provenance]
             )
             return interpreter.wrap(method, provenance=record)
-        return previous_getattr(obj, name, *maybe_default)
+        return NOT_ANSWERED
 
     def run_on_the_tensor(method: Callable) -> Callable:
         def register(tensor: Any, hook: Any) -> Any:  # wrapped values: the proxy's tensor is its original value
@@ -547,8 +548,7 @@ def register_gradient_hooks_on_real_tensors() -> None:
 
         return register
 
-    expects = expects_function(("thunder", "thunder_dtensor"), "obj", "name")  # thunder's, or ours over it
-    patch(lookasides, getattr, getattr_lookaside, table=JIT_LOOKASIDES, expects=expects)
+    on_attribute_read("register_gradient_hooks_on_real_tensors", gradient_hook_method, when="instead")
     for name in GRADIENT_HOOK_METHODS:
         method = getattr(torch.Tensor, name)
         assert method not in lookasides, f"thunder has a lookaside for {name} now"
@@ -564,6 +564,7 @@ def _meta_stride(a: TensorProxy, dim: int | None = None) -> Any:
             f"stride() of {a.name}, a tensor on {a.device} that the program computes: thunder does not trace "
             "strides (only a meta-device tensor's, which a factory made contiguous, is known)"
         )
+    stride: list[int]
     stride, step = [], 1
     for size in reversed(a.shape):  # contiguous: the last dim moves fastest (a size-0 or 1 dim counts as 1)
         stride.insert(0, step)
@@ -656,7 +657,7 @@ def clone_saved_tensors_before_overwrites(forward_trace: Any) -> Any:
     trace.names, trace.name_ctr = forward_trace.names, forward_trace.name_ctr
     for bsym in body:
         destination = bsym.args[1] if _is_thunder_copy(bsym) and len(bsym.args) > 1 else None
-        i = position.get(getattr(destination, "name", None))
+        i = position.get(getattr(destination, "name", None))  # type: ignore[arg-type]  # (None: no entry)
         if i is not None and kept[i] is saved[i]:
             scope: list = []
             with tracectx(trace):
@@ -826,7 +827,7 @@ def computed_requires_grad(trace: Any, proxy: Any) -> bool:
     """Whether ``proxy`` requires grad as autograd would have it: computed (in ``trace``, as traced so far) under
     grad mode from a value that requires grad, and of a floating or complex dtype."""
     grad_enabled = torch.is_grad_enabled()  # the caller's mode: thunder records changes as symbols
-    needs = set()
+    needs: set[str] = set()
     for bsym in trace.bound_symbols:
         if bsym.sym.id == "set_grad_enabled" or bsym.sym.name == "_set_grad_enabled_with_warning":
             grad_enabled = bool(pyval(bsym.args[0]))
@@ -852,11 +853,7 @@ def answer_requires_grad_of_computed_values() -> None:
     far (grad mode, inputs, dtype), as autograd would; an input's own flag is kept."""
     from thunder.core import interpreter, jit_ext
 
-    lookasides = jit_ext._general_jit_lookaside_map
-    previous_getattr = lookasides[getattr]
-
-    def getattr_lookaside(obj: Any, name: Any, *maybe_default: Any) -> Any:
-        value = previous_getattr(obj, name, *maybe_default)
+    def computed_requires_grad_read(obj: Any, name: Any, value: Any) -> Any:
         if interpreter.unwrap(name) != "requires_grad" or value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
             return value
         if not active("answer_requires_grad_of_computed_values"):
@@ -871,8 +868,7 @@ def answer_requires_grad_of_computed_values() -> None:
         )
         return interpreter.wrap(True, provenance=record)
 
-    expects = expects_function(("thunder", "thunder_dtensor"), "obj", "name")  # thunder's, or ours over it
-    patch(lookasides, getattr, getattr_lookaside, table=JIT_LOOKASIDES, expects=expects)
+    on_attribute_read("answer_requires_grad_of_computed_values", computed_requires_grad_read, when="after")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""Pure rewrites of a trace's list of bound symbols, before and after the pass.
+
+Composite symbols that touch DTensors are opened; each forward prim is paired with its generic vjp; the
+emitted ops are bound to the operators that will run them; each collective's wait moves to its first reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from thunder_dtensor import _integration as ti
+from thunder_dtensor.lowering.symbols import dtensor_comm_ex, dtensor_local_ex
+from thunder_dtensor.primitive import PRIMS, is_generic_vjp
+from thunder_dtensor.proxy import DTensorProxy
+
+
+def flatten_dtensor_composites(bsyms: list) -> list:
+    """Top-level symbols, with composite symbols that touch DTensors replaced by their subsymbols."""
+    out = []
+    for bsym in bsyms:
+        touches = any(isinstance(p, DTensorProxy) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs))
+        if touches and bsym.subsymbols and bsym.sym.name not in PRIMS and not bsym.sym.is_prim:
+            out.extend(flatten_dtensor_composites(list(bsym.subsymbols)))
+        else:
+            out.append(bsym)
+    return out
+
+
+def pair_vjps(bsyms: list) -> dict[int, int]:
+    """Forward prim index -> index of its generic vjp (the one taking the same arguments)."""
+    forwards: dict[tuple, list[int]] = {}
+    for i, bsym in enumerate(bsyms):
+        if bsym.sym.name in PRIMS and not is_generic_vjp(bsym.sym.name):
+            forwards.setdefault(_call_key(bsym.sym.name, bsym.args, bsym.kwargs), []).append(i)
+    pairs: dict[int, int] = {}
+    for j, bsym in enumerate(bsyms):
+        if is_generic_vjp(bsym.sym.name):
+            args, kwargs = bsym.args[0], bsym.args[1]
+            name = bsym.sym.name.removesuffix("_vjp_prim") + "_prim"
+            candidates = [i for i in forwards.get(_call_key(name, args, kwargs), []) if i < j and i not in pairs]
+            if candidates:
+                pairs[candidates[-1]] = j
+    return pairs
+
+
+def _call_key(name: str, args: Any, kwargs: Any) -> tuple:
+    flat = ti.torch_tree_flatten((args, kwargs))[0]
+    return (name, tuple(x.name if isinstance(x, ti.Proxy) else repr(x) for x in flat))
+
+
+def claimed(bsyms: list, executors: Sequence[Any]) -> list:
+    """Emitted ops (the symbols of the lowering's two executors) bound to the operators that will run them (see
+    ``lower_dtensor_program``)."""
+    out = []
+    for bsym in bsyms:
+        emitted = bsym.sym.id in dtensor_local_ex.implmap or bsym.sym.id in dtensor_comm_ex.implmap
+        op = ti.claiming_operator(bsym, executors) if emitted else None
+        out.append(bsym if op is None else op.bind(*bsym.args, output=bsym.output, **bsym.kwargs))
+    return out
+
+
+def place_waits_late(bsyms: list) -> list:
+    """Move each collective's ``wait_tensor`` to just before the first symbol that reads its result.
+
+    Collectives are still issued in trace order on every rank; only the waits move, so the communication
+    overlaps the computation between the collective and the first use of its result.
+    """
+    out: list = []
+    pending: dict[str, ti.BoundSymbol] = {}  # the wait's result's name -> the wait
+    for bsym in bsyms:
+        if bsym.sym.name == "wait_tensor":
+            pending[bsym.flat_proxy_outs[0].name] = bsym
+            continue
+        if pending:
+            reads = {a.name for a in bsym.flat_proxy_args}
+            for name in [n for n in pending if n in reads]:
+                out.append(pending.pop(name))
+        out.append(bsym)
+    assert not pending or out[-1].sym.id == ti.prims.PrimIDs.RETURN, "a wait after the return"
+    out[-1:-1] = list(pending.values())
+    return out

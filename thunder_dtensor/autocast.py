@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.dispatch import DISPATCH_TABLE
+from thunder_dtensor.dispatch import torch_function_of_symbol
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.ops.pointwise import dtensor_convert_element_type_prim
 from thunder_dtensor.primitive import PRIMS, define_dtensor_prim, to_torch_value
@@ -63,20 +63,6 @@ class AutocastPolicy:
 # ---------------------------------------------------------------------------------------------------------
 # Which torch function a dtensor symbol stands for
 # ---------------------------------------------------------------------------------------------------------
-_torch_fn_by_symbol_id: dict[Any, Callable] = {}  # by Symbol.id (a string or a PrimIDs member)
-_indexed_size = -1
-
-
-def _reindex() -> None:
-    global _indexed_size
-    _torch_fn_by_symbol_id.clear()
-    for torch_fn, route in DISPATCH_TABLE.items():
-        symbol = route.dtensor_symbol
-        if isinstance(symbol, ti.Symbol):
-            _torch_fn_by_symbol_id.setdefault(symbol.id, torch_fn)
-    _indexed_size = len(DISPATCH_TABLE)
-
-
 def torch_function_of(sym: ti.Symbol) -> Callable | None:
     """The torch function a DTensor call of which ``sym`` traces, or None (an internal prim).
 
@@ -86,9 +72,7 @@ def torch_function_of(sym: ti.Symbol) -> Callable | None:
     record = PRIMS.get(sym.name)
     if record is not None:
         return record.torch_functions[0] if record.torch_functions else None
-    if _indexed_size != len(DISPATCH_TABLE):
-        _reindex()
-    return _torch_fn_by_symbol_id.get(sym.id)
+    return torch_function_of_symbol(sym)
 
 
 # ---------------------------------------------------------------------------------------------------------

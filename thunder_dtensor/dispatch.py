@@ -44,6 +44,9 @@ METHOD_TABLE: dict[str, DTensorRoute] = {}
 #: dtensor callables that are not thunder Symbols (the interpreter calls those whole): the method lookup hands
 #: them to the interpreter, which must not step into them
 _PLAIN_CALLABLES: dict[int, Callable] = {}
+#: dtensor symbol id -> the first torch function, in the table's order, whose DTensor calls reach that symbol
+#: (autocast asks which torch function a symbol stands for); kept by :func:`_add_entry`
+_TORCH_FUNCTION_OF_SYMBOL: dict[Any, Callable] = {}
 #: makes the route of a torch function thunder has no symbol for, on its first call on a DTensor
 _unknown_function_route: list[Callable[[Callable], Callable]] = []
 
@@ -73,11 +76,24 @@ def _remember(symbol: Callable) -> None:
 
 
 def _add_entry(torch_fn: Callable, route: DTensorRoute) -> None:
+    replaced = torch_fn in DISPATCH_TABLE
     DISPATCH_TABLE[torch_fn] = route
+    if replaced:  # (rare: in-place ops wrap a family's entry) the index again, in the table's order
+        _TORCH_FUNCTION_OF_SYMBOL.clear()
+        for fn, other in DISPATCH_TABLE.items():
+            if isinstance(other.dtensor_symbol, ti.Symbol):
+                _TORCH_FUNCTION_OF_SYMBOL.setdefault(other.dtensor_symbol.id, fn)
+    elif isinstance(route.dtensor_symbol, ti.Symbol):
+        _TORCH_FUNCTION_OF_SYMBOL.setdefault(route.dtensor_symbol.id, torch_fn)
     _remember(route.dtensor_symbol)
     record = PRIMS.get(getattr(route.dtensor_symbol, "name", None))  # type: ignore[arg-type]  # (None: no entry)
     if record is not None:  # a prim the call reaches directly: its record lists the entry
         record.torch_functions.append(torch_fn)
+
+
+def torch_function_of_symbol(symbol: ti.Symbol) -> Callable | None:
+    """The first torch function whose DTensor calls reach ``symbol`` (None: no dispatch entry does)."""
+    return _TORCH_FUNCTION_OF_SYMBOL.get(symbol.id)
 
 
 def dtensor_symbol_of(torch_fn: Callable) -> Callable:

@@ -346,17 +346,14 @@ def _fake_outputs_independent_of_runtime_numbers(op_name: str, torch_fn: Callabl
     return out
 
 
-#: sources of a generic vjp's fake gradients that save its own fake run: the lowering's joint trace, which the
-#: lowering needs anyway (``lowering.joint_gradients``, registered by ``lowering.transform``); None: no answer
-GRADIENT_SOURCES: list[Callable[[str, tuple], tuple | None]] = []
-
-
 def _fake_outputs_of_call(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -> Any:
     if is_generic_vjp(op_name):
-        for source in GRADIENT_SOURCES:
-            gradients = source(op_name, args)
-            if gradients is not None:
-                return gradients
+        # the joint trace the lowering needs anyway answers without a fake run of its own (None: no answer)
+        from thunder_dtensor.lowering import joint_gradients  # (the lowering builds on this module)
+
+        gradients = joint_gradients(op_name, args)
+        if gradients is not None:
+            return gradients
     return _fake_outputs(op_name, torch_fn, args, kwargs)
 
 
@@ -604,22 +601,6 @@ def is_generic_vjp(name: str) -> bool:
     return record is not None and record.is_generic_vjp
 
 
-@dataclasses.dataclass
-class _BackwardCall:
-    call_or_rewrite: Callable | None = None
-    replicated: Callable | None = None
-
-
-#: how a generic vjp is called (:func:`call_backwards_with`)
-_BACKWARD_CALL = _BackwardCall()
-
-
-def call_backwards_with(call_or_rewrite: Callable, replicated: Callable) -> None:
-    """How generic vjps are called: ``ops/no_rule.py`` (which builds on this module) gives its policy, a
-    backward DTensor has no rule for being decomposed, else replicated. Set at import, before any tracing."""
-    _BACKWARD_CALL.call_or_rewrite, _BACKWARD_CALL.replicated = call_or_rewrite, replicated
-
-
 def _register_generic_vjp(record: PrimRecord, name: str) -> None:
     prim, runtime_fn = record.symbol, cast(Callable, record.runtime_fn)  # (a differentiable prim has one)
     vjp_source = functools.partial(run_vjp, runtime_fn)
@@ -627,9 +608,9 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
     PRIMS[vjp_prim.name].is_generic_vjp = True
 
     def vjp(*vjp_args: Any, distrust: str | None = None) -> Any:
-        # (both set at import: checked below)
-        call_or_rewrite, replicated = cast(Callable, _BACKWARD_CALL.call_or_rewrite), cast(Callable, _BACKWARD_CALL.replicated)
-        ti.check(call_or_rewrite is not None, lambda: "ops/no_rule.py gives how generic vjps are called")
+        # a backward DTensor has no rule for is decomposed, else replicated, as a forward op is
+        from thunder_dtensor.ops.no_rule import call_or_rewrite, replicated  # (it builds on this module)
+
         return call_or_rewrite(
             vjp_prim,
             f"{name}_vjp",

@@ -1,20 +1,34 @@
 """Ops DTensor has no sharding rule for: decomposed, else run on replicated inputs (``ops/no_rule.py``).
 
-Where eager DTensor runs a case (a later torch), thunder is compared with it instead of checking the
-rewrite: a test never asserts that eager fails.
+The ops have no rule by construction: each test takes the op's rule out of DTensor while it runs
+(``without_sharding_rule``), so a torch release that adds one changes nothing here, and the tests assert
+what thunder_dtensor does (rewritten which way, or which error) with plain torch's values.
 """
 
 import warnings
 
 from thunder_dtensor import DTensorOpError
-from thunder_dtensor.ops.no_rule import HOW_OPS_RAN, ReplicatedFallbackWarning
-from thunder_dtensor.testing import COMMS_ASSERTED, DTensorCase, eager_error, make_full, mesh_1d, run_case
+from thunder_dtensor.errors import DataDependentValueError
+from thunder_dtensor.ops.no_rule import ReplicatedFallbackWarning
+from thunder_dtensor.testing import (
+    COMMS_ASSERTED,
+    RUNS,
+    DTensorCase,
+    eager_error,
+    make_full,
+    mesh_1d,
+    rewritten,
+    run_case,
+    without_sharding_rule,
+)
 
 import pytest
 import thunder
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+aten = torch.ops.aten
 
 
 def _dt(full, placements, requires_grad=True):
@@ -25,70 +39,75 @@ def _prim_names(trace) -> set[str]:
     return {bsym.sym.name for bsym in trace.bound_symbols}
 
 
-def _check(case: DTensorCase, **kwargs):
-    """run_case against plain torch, and against eager DTensor where eager runs the case."""
-    eager_fails = eager_error(case) is not None
-    HOW_OPS_RAN.clear()
-    result = run_case(case, compare_eager=not eager_fails, assert_comms=COMMS_ASSERTED, **kwargs)
-    return eager_fails, result
+def _check(case: DTensorCase, how: str, backward: bool = True, **kwargs):
+    """Eager DTensor fails on the case (the construction holds); thunder_dtensor runs it rewritten, ``how`` the
+    least preferred way an op ran, with plain torch's values and gradients."""
+    assert eager_error(case, backward=backward) is not None, "eager DTensor runs the case: no rule was taken out"
+    return run_case(case, backward=backward, compare_eager=False, expect=rewritten(how), **kwargs)
 
 
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("lowering", [True, False], ids=["lowered", "eager_prims"])
 @pytest.mark.parametrize(
-    "activation",
-    [F.hardtanh, F.relu6, F.hardswish, F.hardsigmoid, F.logsigmoid],
-    ids=lambda f: f.__name__,
+    "activation, backward_op",
+    [
+        (F.hardtanh, aten.hardtanh_backward.default),
+        (F.relu6, aten.hardtanh_backward.default),
+        (F.hardswish, aten.hardswish_backward.default),
+        (F.hardsigmoid, aten.hardsigmoid_backward.default),
+        (F.logsigmoid, aten.log_sigmoid_backward.default),
+    ],
+    ids=lambda f: f.__name__.split(".")[0],
 )
-def test_backward_without_a_sharding_strategy_is_decomposed(activation, lowering):
-    """torch 2.13's DTensor has no strategy for ``hardtanh_backward`` & co.: torch's decomposition runs."""
+def test_backward_without_a_sharding_strategy_is_decomposed(activation, backward_op, lowering):
+    """A backward op without a sharding rule (torch 2.13 has none for ``hardtanh_backward`` & co.): torch's
+    decomposition runs, on DTensor's rules for the ops it decomposes into."""
 
     def fn(x):
         return activation(x * 4.0)
 
     case = DTensorCase(fn, [make_full((4, 6), seed=1)], [[Shard(1)]])
-    eager_fails, result = _check(case, jit_kwargs={"dtensor_lowering": lowering})
-    if eager_fails:
-        assert "decomposition" in HOW_OPS_RAN.values(), HOW_OPS_RAN
-        assert "replicated fallback" not in HOW_OPS_RAN.values(), HOW_OPS_RAN
-        assert result.thunder_grads[0].placements == (Shard(1),)  # the decomposed backward keeps the sharding
-        # the trace names it, lowered or not
-        backward = str(thunder.last_backward_traces(result.jitted)[-1])
-        assert "_decomposed_prim" in backward or "_vjp', 'decomposition')" in backward, backward
+    with without_sharding_rule(backward_op):
+        result = _check(case, "decomposition", jit_kwargs={"dtensor_lowering": lowering})
+    assert set(result.how_ops_ran.values()) == {"decomposition"}, result.how_ops_ran
+    assert result.thunder_grads[0].placements == (Shard(1),)  # the decomposed backward keeps the sharding
+    # the trace names it, lowered or not
+    backward = str(thunder.last_backward_traces(result.jitted)[-1])
+    assert "_decomposed_prim" in backward or "_vjp', 'decomposition')" in backward, backward
 
 
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("lowering", [True, False], ids=["lowered", "eager_prims"])
 def test_op_without_a_decomposition_runs_replicated_and_warns_once(lowering):
+    """``addbmm`` has no decomposition in torch's core-ATen table: without a sharding rule (torch 2.13 has none),
+    it runs on replicated inputs, with a warning."""
+
     def fn(a, b, c):
         return torch.addbmm(a, b, c)
 
     fulls = [make_full((4, 10), seed=2), make_full((3, 4, 5), seed=3), make_full((3, 5, 10), seed=4)]
     case = DTensorCase(fn, fulls, [[Shard(0)], [Replicate()], [Replicate()]])
-    if eager_error(case) is not None:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _, result = _check(case, jit_kwargs={"dtensor_lowering": lowering})
-            # the same op and placements again: no second warning
-            thunder.jit(fn, dtensor_lowering=lowering)(*(_dt(f, p) for f, p in zip(fulls, case.placements)))
-        fallback_warnings = [w for w in caught if issubclass(w.category, ReplicatedFallbackWarning)]
-        assert len(fallback_warnings) <= 1  # once per process (an earlier test may have warned already)
-        if fallback_warnings:
-            message = str(fallback_warnings[0].message)
-            assert "torch_addbmm" in message and "S(0)" in message and "dtensor_replicated_fallback" in message
-        assert HOW_OPS_RAN == {"torch_addbmm": "replicated fallback"}
-        assert result.thunder_out[0].placements == (Replicate(),)
-        assert result.thunder_grads[0].placements == (Shard(0),)  # gradients keep their input's placements
-        assert "dtensor_torch_addbmm_replicated_prim" in _prim_names(thunder.last_traces(result.jitted)[0])
-        # the executed traces name it (joint-lowered, the marker goes with the backward)
-        executed = str(thunder.last_traces(result.jitted)[-1]) + str(thunder.last_backward_traces(result.jitted)[-1])
-        if lowering:
-            assert "'torch_addbmm', 'replicated fallback')" in executed, executed
-            assert "all_gather" in executed  # the gather is in the trace
-        else:
-            assert "dtensor_torch_addbmm_replicated_prim" in executed
+    with without_sharding_rule(aten.addbmm.default), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _check(case, "replicated fallback", jit_kwargs={"dtensor_lowering": lowering})
+        # the same op and placements again: no second warning
+        thunder.jit(fn, dtensor_lowering=lowering)(*(_dt(f, p) for f, p in zip(fulls, case.placements)))
+    fallback_warnings = [w for w in caught if issubclass(w.category, ReplicatedFallbackWarning)]
+    assert len(fallback_warnings) <= 1  # once per process (an earlier test may have warned already)
+    if fallback_warnings:
+        message = str(fallback_warnings[0].message)
+        assert "torch_addbmm" in message and "S(0)" in message and "dtensor_replicated_fallback" in message
+    assert result.how_ops_ran == {"torch_addbmm": "replicated fallback"}
+    assert result.thunder_out[0].placements == (Replicate(),)
+    assert result.thunder_grads[0].placements == (Shard(0),)  # gradients keep their input's placements
+    assert "dtensor_torch_addbmm_replicated_prim" in _prim_names(thunder.last_traces(result.jitted)[0])
+    # the executed traces name it (joint-lowered, the marker goes with the backward)
+    executed = str(thunder.last_traces(result.jitted)[-1]) + str(thunder.last_backward_traces(result.jitted)[-1])
+    if lowering:
+        assert "'torch_addbmm', 'replicated fallback')" in executed, executed
+        assert "all_gather" in executed  # the gather is in the trace
     else:
-        _check(case)
+        assert "dtensor_torch_addbmm_replicated_prim" in executed
 
 
 @pytest.mark.world_size(2, 4)
@@ -97,11 +116,9 @@ def test_the_replicated_fallback_can_be_turned_off():
         return torch.addbmm(a, b, c)
 
     fulls = [make_full((4, 10), seed=2), make_full((3, 4, 5), seed=3), make_full((3, 5, 10), seed=4)]
-    case = DTensorCase(fn, fulls, [[Shard(0)], [Replicate()], [Replicate()]])
-    if eager_error(case) is None:
-        pytest.skip("eager DTensor runs addbmm here")
-    inputs = [_dt(f, p) for f, p in zip(fulls, case.placements)]
-    with pytest.raises(DTensorOpError) as info:
+    placements = [[Shard(0)], [Replicate()], [Replicate()]]
+    inputs = [_dt(f, p) for f, p in zip(fulls, placements)]
+    with without_sharding_rule(aten.addbmm.default), pytest.raises(DTensorOpError) as info:
         thunder.jit(fn, dtensor_replicated_fallback=False)(*inputs)
     message = str(info.value)
     assert "addbmm" in message.splitlines()[0] and "placements=(Shard(dim=0),)" in message
@@ -116,22 +133,24 @@ def test_reshape_of_an_unevenly_sharded_dim_runs_replicated():
         return x.reshape(5, 2) * 2.0
 
     case = DTensorCase(fn, [make_full((10,), seed=5)], [[Shard(0)]])
-    eager_fails, result = _check(case)
-    if eager_fails:
-        assert HOW_OPS_RAN.get("Tensor_reshape") == "replicated fallback", HOW_OPS_RAN
-        assert result.thunder_grads[0].placements == (Shard(0),)
+    # not an op without a rule but a rule that refuses these inputs, which cannot be taken out alone: a torch
+    # whose rule accepts them fails this test (eager runs it, nothing is rewritten), which should then compare
+    # with eager
+    result = run_case(case, expect=rewritten("replicated fallback"))
+    assert result.how_ops_ran == {"Tensor_reshape": "replicated fallback"}, result.how_ops_ran
+    assert result.thunder_grads[0].placements == (Shard(0),)
 
 
 def test_renorm_without_a_sharding_strategy_runs():
-    """``renorm`` has no strategy in torch 2.13: it runs rewritten, with plain torch's values."""
+    """``renorm`` without a sharding rule (torch 2.13 has none): it runs decomposed, with plain torch's values."""
 
     def fn(x):
         return torch.renorm(x, 2, 0, 1.0)
 
     case = DTensorCase(fn, [make_full((6, 8), seed=5)], [[Shard(0)]], requires_grad=[False])
-    eager_fails, _ = _check(case, backward=False)
-    if eager_fails:
-        assert set(HOW_OPS_RAN.values()) <= {"decomposition", "replicated fallback"} and HOW_OPS_RAN
+    with without_sharding_rule(aten.renorm.default):
+        result = _check(case, "decomposition", backward=False)
+    assert result.how_ops_ran == {"torch_renorm": "decomposition"}, result.how_ops_ran
 
 
 @pytest.mark.world_size(2, 4)
@@ -171,22 +190,30 @@ def test_mean_loss_over_a_batch_sharded_input_is_the_global_mean(loss, variant):
 
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize(
-    "fn, what",
+    "fn, op, error, what",
     [
-        (lambda x: torch.poisson(x), "random"),
-        (lambda x: torch.normal(x, 1.0), "random"),
-        (lambda x: torch.masked_select(x, x > 0.5), "depends on the data"),
+        (lambda x: torch.poisson(x), aten.poisson.default, DTensorOpError, "it draws random numbers"),
+        (lambda x: torch.normal(x, 1.0), aten.normal.Tensor_float, DTensorOpError, "it draws random numbers"),
+        (
+            lambda x: torch.masked_select(x, x > 0.5),
+            aten.masked_select.default,
+            DataDependentValueError,
+            "its output's shape depends on the data",
+        ),
     ],
     ids=["poisson", "normal", "masked_select"],
 )
-def test_random_and_data_dependent_ops_raise(fn, what):
+def test_random_and_data_dependent_ops_raise(fn, op, error, what):
+    """Without a sharding rule (torch 2.13 has none for these), a random op is not rewritten (its numbers would not
+    be eager DTensor's) and an output shape that depends on the data cannot be traced: each raises, saying why."""
     x_full = make_full((4, 6), seed=10).abs()
     case = DTensorCase(fn, [x_full], [[Shard(0)]], requires_grad=[False])
-    if eager_error(case, backward=False) is None:
-        pytest.skip("eager DTensor runs this op here")
-    with pytest.raises(DTensorOpError) as info:
-        thunder.jit(fn)(_dt(x_full, [Shard(0)], requires_grad=False))
-    assert what in str(info.value) and "placements=(Shard(dim=0),)" in str(info.value)
+    with without_sharding_rule(op):
+        assert eager_error(case, backward=False) is not None, "eager DTensor runs the op: no rule was taken out"
+        with pytest.raises(error) as info:
+            thunder.jit(fn)(_dt(x_full, [Shard(0)], requires_grad=False))
+    assert type(info.value) is error, type(info.value)
+    assert what in str(info.value) and "placements=(Shard(dim=0),)" in str(info.value), str(info.value)
 
 
 @pytest.mark.world_size(2, 4)
@@ -198,7 +225,7 @@ def test_inputs_on_two_meshes_are_not_rewritten():
 
     x = _dt(make_full((4, 4), seed=11), [Shard(0)], requires_grad=False)
     y = make_full((2, 4, 4), seed=12)  # a plain tensor among DTensors
-    with pytest.raises(DTensorOpError, match="convert every torch.Tensor"):
+    with without_sharding_rule(aten.addbmm.default), pytest.raises(DTensorOpError, match="convert every torch.Tensor"):
         thunder.jit(fn)(x, y)
 
 
@@ -209,9 +236,8 @@ def test_programs_eager_runs_are_not_rewritten():
     def fn(x, w):
         return F.gelu(F.linear(x, w)).sum(-1)
 
-    HOW_OPS_RAN.clear()
-    result = run_case(DTensorCase(fn, [x_full, w_full], [[Replicate()], [Shard(0)]]), assert_comms=COMMS_ASSERTED)
-    assert HOW_OPS_RAN == {}
+    case = DTensorCase(fn, [x_full, w_full], [[Replicate()], [Shard(0)]])
+    result = run_case(case, assert_comms=COMMS_ASSERTED, expect=RUNS)  # no op rewritten
     names = _prim_names(thunder.last_traces(result.jitted)[0])
     assert not any("_decomposed_" in n or "_replicated_" in n for n in names), names
 
@@ -228,9 +254,8 @@ def test_writes_are_never_rewritten():
         torch.addbmm(a, b, c, out=o)
         return o
 
-    if eager_error(DTensorCase(torch.addbmm, fulls, placements)) is not None:
-        with pytest.raises(DTensorOpError, match="out= argument"):
-            thunder.jit(addbmm_out)(a, b, c, out)
+    with without_sharding_rule(aten.addbmm.default, aten.addbmm.out), pytest.raises(DTensorOpError, match="out= arg"):
+        thunder.jit(addbmm_out)(a, b, c, out)
 
     def sigmoid_in_place(y):
         torch.sigmoid_(y)  # a torch function thunder has no symbol for, in place

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 
@@ -74,7 +74,8 @@ def out_of_place(graph: Any) -> None:
         base = node.args[0] if node.args else None
         if written != [0] or functional is None or not isinstance(base, torch.fx.Node):
             raise NotLowerable(f"in-place op {node.target}")
-        viewed = any(_is_view(u) and not u.target._schema.is_mutable for u in base.users)  # in-place users: rewritten
+        # (in-place users are rewritten; a view's target is an OpOverload)
+        viewed = any(_is_view(u) and not cast(torch._ops.OpOverload, u.target)._schema.is_mutable for u in base.users)
         if base.op != "call_function" or _is_view(base) or viewed:
             raise NotLowerable(f"in-place op {node.target} on an input or a view")
         with graph.inserting_before(node):

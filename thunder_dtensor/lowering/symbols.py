@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.primitive import to_torch_value
@@ -64,7 +64,7 @@ def _meta_by_fake_run(overload: Any) -> Callable:
 
     def meta(*args: Any, **kwargs: Any) -> Any:
         val = LOCAL_META_CACHE.get_or_compute(_meta_key(overload, args, kwargs), lambda: fake_run(args, kwargs))
-        return output_proxies(ti.get_tracectx(), val)
+        return output_proxies(cast(ti.TraceCtx, ti.get_tracectx()), val)  # (a meta runs inside a trace)
 
     return meta
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.lowering.graph import (
@@ -123,7 +123,7 @@ def trace_joint(
                     leaves[i] = value
                 values[i] = value
             args, kwargs = ti.torch_tree_unflatten(values, tree)
-            out = PRIMS[name].runtime_fn(*args, **kwargs)
+            out = cast(Callable, PRIMS[name].runtime_fn)(*args, **kwargs)  # (a traced prim has one)
             outs = [o for o in ti.torch_tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         fwd_locals, fwd_specs = unwrapped_outputs(outs)
         pairs = [(outs[i], value_of(info, cot)) for i, info, cot in zip(cot_positions, cot_infos, cots)]
@@ -135,10 +135,11 @@ def trace_joint(
                     [o for o, _ in pairs], [leaves[i] for i in diff_indices], [c for _, c in pairs], allow_unused=True
                 )
             )
-        grad_locals, grad_specs = [], []
+        grad_locals: list[torch.Tensor | None] = []
+        grad_specs: list[Any] = []
         for g in grads:
-            local, spec = (None, None) if g is None else (lambda r: (r[0][0], r[1][0]))(unwrapped_outputs(g))
-            grad_locals.append(local)
+            grad_local, spec = (None, None) if g is None else (lambda r: (r[0][0], r[1][0]))(unwrapped_outputs(g))
+            grad_locals.append(grad_local)
             grad_specs.append(spec)
         return fwd_locals + grad_locals, fwd_specs + grad_specs, len(fwd_locals)
 
@@ -185,7 +186,7 @@ def dtensor_info(x: DTensorProxy, spec: Any, local_stride: tuple[int, ...] | Non
     tensor is laid out (DTensor decides view or copy by it), so a spec that kept another value's stride
     around a contiguous local would make DTensor view where it must copy.
     """
-    dtype, device = x.meta.dtype, ti.devices.to_torch_device(x.device)
+    dtype, device = x.meta.dtype, cast(torch.device, ti.devices.to_torch_device(x.device))
     if local_stride is not None:
         return LocalInput(spec, x.local_shape, local_stride, dtype, device)
     shape = ti.local_shape_on(tuple(x.shape), spec.mesh, tuple(spec.placements))
@@ -201,8 +202,9 @@ def contiguous_spec(spec: Any) -> Any:
 
 def contiguous_info(x: ti.TensorProxy) -> LocalInput:
     """A plain tensor argument whose strides nothing fixes: it is made contiguous where it enters lowered code."""
-    shape, dtype, device = tuple(x.shape), ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
-    return LocalInput(None, shape, contiguous_stride(shape), dtype, device)
+    shape = tuple(x.shape)
+    dtype, device = ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
+    return LocalInput(None, shape, contiguous_stride(shape), cast(torch.dtype, dtype), cast(torch.device, device))
 
 
 def assumed_cotangent_info(cotangent: Any) -> LocalInput:

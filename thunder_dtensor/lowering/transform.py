@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.lowering.graph import NotLowerable, ancestors, match_forward, output_nodes, placeholder_nodes
@@ -37,7 +37,6 @@ from thunder_dtensor.lowering.tracing import (
     values_of,
 )
 from thunder_dtensor.primitive import (
-    GRADIENT_SOURCES,
     PRIMS,
     dtensor_rewritten_prim,
     is_generic_vjp,
@@ -223,7 +222,7 @@ class _Lowering:
             values = values_of(flat, infos, locals_)
             args, kwargs = ti.torch_tree_unflatten(values, tree)
             with torch.no_grad():
-                outs = runtime_fn(*args, **kwargs)
+                outs = cast(Callable, runtime_fn)(*args, **kwargs)  # (a lowered prim has one)
             locals_out, specs = unwrapped_outputs(outs)
             return locals_out, specs, len(locals_out)
 
@@ -495,9 +494,6 @@ def joint_gradients(vjp_name: str, vjp_args: tuple) -> tuple | None:
     )
 
 
-GRADIENT_SOURCES.append(joint_gradients)
-
-
 def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> ti.TraceCtx:
     """The lowered trace (see the module docstring); ``trace`` itself if it has no dtensor prims.
 
@@ -545,7 +541,7 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
             state.keep(bsym, str(e))
     new_trace = state.trace
     new_trace.bound_symbols = place_waits_late(claimed(state.bsyms, executors))
-    new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  (see annotate_not_lowered)
+    new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  # (see annotate_not_lowered)
     new_trace.set_provenance(ti.TraceProvenance(f"DTensor lowering ({state.lowered} prims lowered)"))
     return new_trace
 
@@ -553,7 +549,7 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
 def annotate_not_lowered(lowered: ti.TraceCtx, executed: ti.TraceCtx) -> None:
     """Say in the executed trace why each eager-run dtensor prim was not lowered (executors drop headers)."""
     reasons = getattr(lowered, "_dtensor_not_lowered", {})
-    for k, bsym in enumerate(executed.bound_symbols):
+    for k, bsym in enumerate(cast(list[ti.BoundSymbol], executed.bound_symbols)):
         why = reasons.get(bsym.sym.name)
         if why is not None:
             executed.bound_symbols[k] = bsym.from_bsym(header=f"not lowered (runs eager DTensor): {why}")

@@ -12,7 +12,7 @@ with the same values.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor
@@ -88,7 +88,7 @@ dtensor_local_sdpa_prim = define_dtensor_prim("local_sdpa", _local_sdpa)
 
 
 def _rng_state_meta(q: DTensorProxy) -> ti.TensorProxy:
-    state = ti.rng_state(ti.devices.to_torch_device(q.device))  # only its shape: reading draws nothing
+    state = ti.rng_state(cast(torch.device, ti.devices.to_torch_device(q.device)))  # only its shape: draws nothing
     return ti.TensorProxy(shape=tuple(state.shape), dtype=ti.dtypes.uint8, device=ti.devices.cpu)
 
 

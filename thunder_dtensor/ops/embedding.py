@@ -45,7 +45,15 @@ def _vocab_parallel_embedding(
     placements = [masked if i == vocab_mesh_dim else p for i, p in enumerate(ids.placements)]
     shape = tuple(ids.shape) + (weight.shape[1],)
     stride = contiguous_stride(shape)
-    return ti.DTensor.from_local(rows, ids.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+    # (torch annotates ``shape`` as a torch.Size; it takes a tuple of ints)
+    return ti.DTensor.from_local(
+        rows,
+        ids.device_mesh,
+        placements,
+        run_check=False,
+        shape=shape,  # type: ignore[arg-type]
+        stride=stride,
+    )
 
 
 dtensor_vocab_parallel_embedding_prim = define_dtensor_prim("vocab_parallel_embedding", _vocab_parallel_embedding)

@@ -14,7 +14,7 @@ hand back) and a ``layout`` other than ``torch.strided`` (eager refuses it too) 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor
@@ -117,14 +117,20 @@ def _factory_prim(name: str, factory: Callable, *, random: bool = False) -> ti.S
     def meta(size: tuple, *, dtype: Any, device_mesh: Any, placements: tuple) -> DTensorProxy:
         # the spec eager's factory gives, computed without drawing: a draw at trace time would advance eager's
         # RNG tracker
-        tensor_meta = ti.TensorMeta(size, contiguous_stride(size), ti.dtypes.to_torch_dtype(dtype))
+        # (a tuple for torch's torch.Size, as the spec's; ``make`` gave a dtype)
+        tensor_meta = ti.TensorMeta(
+            size,  # type: ignore[arg-type]
+            contiguous_stride(size),
+            cast(torch.dtype, ti.dtypes.to_torch_dtype(dtype)),
+        )
         spec = ti.make_spec(device_mesh, placements, tensor_meta)
         local_shape = ti.local_shape_on(size, device_mesh, placements)
         # eager's factory allocates on the mesh's device type, at the current device of that type
-        handle = getattr(torch, device_mesh.device_type, None)
+        handle: Any = getattr(torch, device_mesh.device_type, None)
         index = handle.current_device() if hasattr(handle, "current_device") else None
         index = index if isinstance(index, int) else None
-        device = ti.devices.to_device(torch.device(device_mesh.device_type, index))
+        # (torch's stub wants an int index; None, the current device, is what torch.device takes too)
+        device = ti.devices.to_device(torch.device(device_mesh.device_type, index))  # type: ignore[arg-type]
         return DTensorProxy(meta=DTensorMeta.from_spec(spec, local_shape), device=device, requires_grad=False)
 
     return define_dtensor_prim(
@@ -172,9 +178,9 @@ def _register_factory(name: str, factory: Callable, *, fill: bool = False, rando
         ):
             return make(_size_of((size,)), fill_value, dtype, layout, requires_grad, device_mesh, placements)
 
-    else:
+    else:  # (the factories' own signatures: mypy wants the variants of a conditional def alike)
 
-        def factory_symbol(
+        def factory_symbol(  # type: ignore[misc]
             *size, requires_grad=False, dtype=None, layout=torch.strided, device_mesh=None, placements=None
         ):
             return make(_size_of(size), None, dtype, layout, requires_grad, device_mesh, placements)

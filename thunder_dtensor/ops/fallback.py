@@ -146,6 +146,7 @@ def register_fallbacks() -> int:
     returns how many. A torch function thunder does not know gets its route when first called on a DTensor."""
     route_unknown_functions(FallbackSymbol)
     count = 0
+    torch_fn: Callable | None  # (None below: a method without a torch function)
     for torch_fn, entry in list(ti.torch_to_thunder_map().items()):
         name = getattr(torch_fn, "__name__", "")
         single = ti.thunder_symbol_of(entry)

@@ -31,7 +31,7 @@ which thunder lacks), and so are functions with an ``inplace=`` flag (``F.relu``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import (
@@ -185,7 +185,7 @@ def _setitem(a: Any, key: Any, value: Any) -> None:
 def _view_made_by(a: DTensorProxy) -> ti.BoundSymbol | None:
     """The view op that made ``a`` in the trace being built (thunder's alias pass sees it as a view), or None."""
     trace = ti.get_tracectx()
-    for bsym in reversed(trace.bound_symbols if trace is not None else ()):
+    for bsym in reversed(cast(list[ti.BoundSymbol], trace.bound_symbols) if trace is not None else ()):
         if any(o is a or getattr(o, "name", None) == a.name for o in bsym.flat_proxy_outs):
             return bsym if ti.may_return_views(bsym.sym) else None
     return None
@@ -203,10 +203,10 @@ def _gathered_by(view: ti.BoundSymbol, a: DTensorProxy) -> bool:
     )
 
 
-def _gathering_view(view: ti.BoundSymbol, a: DTensorProxy) -> ti.BoundSymbol | None:
+def _gathering_view(view: ti.BoundSymbol | None, a: DTensorProxy | None) -> ti.BoundSymbol | None:
     """The view op in the chain of views that made ``a`` (``y[1:][:, ::2]``) that DTensor ran on gathered data."""
     while view is not None:
-        if _gathered_by(view, a):
+        if _gathered_by(view, cast(DTensorProxy, a)):  # (not None: ``view`` made it)
             return view
         a = next((x for x in view.flat_proxy_args if isinstance(x, DTensorProxy)), None)
         view = _view_made_by(a) if a is not None else None

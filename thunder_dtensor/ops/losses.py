@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import dtensor_symbol_of, register_function_for_dtensor
@@ -39,7 +39,9 @@ def mean_is_per_rank(torch_fn: Callable, args: tuple, kwargs: dict) -> bool:
         out = propagated_fakes(fallback_prim(torch_fn).name, torch_fn, args, kwargs)
     except DTensorOpError as error:
         return not error.structural
-    return isinstance(out, ti.DTensor) and any(p.is_partial() and p.reduce_op == "avg" for p in out.placements)
+    return isinstance(out, ti.DTensor) and any(
+        p.is_partial() and cast(ti.Partial, p).reduce_op == "avg" for p in out.placements
+    )
 
 
 def _to(x: Any, dtype: Any) -> Any:

@@ -209,62 +209,6 @@ _binary_vjp(dtensor_minimum_prim, _minmax_grads(dtensor_lt_prim))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Elementwise unary ops
-# ---------------------------------------------------------------------------------------------------------
-dtensor_neg_prim: ti.Symbol = define_dtensor_prim("neg", torch.neg)  # (annotated: used above, in a lambda)
-dtensor_abs_prim = define_dtensor_prim("abs", torch.abs)
-dtensor_exp_prim = define_dtensor_prim("exp", torch.exp)
-dtensor_log_prim = define_dtensor_prim("log", torch.log)
-dtensor_sqrt_prim = define_dtensor_prim("sqrt", torch.sqrt)
-dtensor_rsqrt_prim = define_dtensor_prim("rsqrt", torch.rsqrt)
-dtensor_reciprocal_prim = define_dtensor_prim("reciprocal", torch.reciprocal)
-dtensor_tanh_prim = define_dtensor_prim("tanh", torch.tanh)
-dtensor_sigmoid_prim = define_dtensor_prim("sigmoid", torch.sigmoid)
-dtensor_sin_prim = define_dtensor_prim("sin", torch.sin)
-dtensor_cos_prim = define_dtensor_prim("cos", torch.cos)
-dtensor_erf_prim = define_dtensor_prim("erf", torch.erf)
-dtensor_sign_prim = define_dtensor_prim("sign", torch.sign)
-dtensor_relu_prim = define_dtensor_prim("relu", torch.relu)
-dtensor_silu_prim = define_dtensor_prim("silu", torch.nn.functional.silu)
-
-
-def _unary_vjp(prim: ti.Symbol, rule: Callable) -> None:
-    define_vjp(prim)(lambda g, out, a: (rule(g, out, a),))
-
-
-_unary_vjp(dtensor_neg_prim, lambda g, out, a: dtensor_neg_prim(g))
-_unary_vjp(dtensor_abs_prim, lambda g, out, a: dtensor_mul_prim(g, dtensor_sign_prim(a)))
-_unary_vjp(dtensor_exp_prim, lambda g, out, a: dtensor_mul_prim(g, out))
-_unary_vjp(dtensor_log_prim, lambda g, out, a: dtensor_div_prim(g, a))
-_unary_vjp(dtensor_sqrt_prim, lambda g, out, a: dtensor_div_prim(g, dtensor_mul_prim(out, 2)))
-_unary_vjp(
-    dtensor_rsqrt_prim,
-    lambda g, out, a: dtensor_mul_prim(g, dtensor_mul_prim(dtensor_pow_prim(out, 3), -0.5)),
-)
-_unary_vjp(dtensor_reciprocal_prim, lambda g, out, a: dtensor_neg_prim(dtensor_mul_prim(g, dtensor_mul_prim(out, out))))
-# Where eager's backward is a fused ATen op (derivatives.yaml: tanh_backward, sigmoid_backward,
-# threshold_backward, silu_backward), the rule calls that op: DTensor's strategy for it decides the gradient's
-# placements (a Partial cotangent is reduced first: the op is pointwise, not linear), not a hand decomposition
-# into mul (which keeps Partial).
-dtensor_tanh_backward_prim = define_dtensor_prim("tanh_backward", torch.ops.aten.tanh_backward.default)
-dtensor_sigmoid_backward_prim = define_dtensor_prim("sigmoid_backward", torch.ops.aten.sigmoid_backward.default)
-dtensor_threshold_backward_prim = define_dtensor_prim("threshold_backward", torch.ops.aten.threshold_backward.default)
-dtensor_silu_backward_prim = define_dtensor_prim("silu_backward", torch.ops.aten.silu_backward.default)
-_unary_vjp(dtensor_tanh_prim, lambda g, out, a: dtensor_tanh_backward_prim(g, out))
-_unary_vjp(dtensor_sigmoid_prim, lambda g, out, a: dtensor_sigmoid_backward_prim(g, out))
-_unary_vjp(dtensor_sin_prim, lambda g, out, a: dtensor_mul_prim(g, dtensor_cos_prim(a)))
-_unary_vjp(dtensor_cos_prim, lambda g, out, a: dtensor_neg_prim(dtensor_mul_prim(g, dtensor_sin_prim(a))))
-_unary_vjp(
-    dtensor_erf_prim,
-    lambda g, out, a: dtensor_mul_prim(
-        g, dtensor_mul_prim(dtensor_exp_prim(dtensor_neg_prim(dtensor_mul_prim(a, a))), 2.0 / math.sqrt(math.pi))
-    ),
-)
-_unary_vjp(dtensor_relu_prim, lambda g, out, a: dtensor_threshold_backward_prim(g, out, 0))
-_unary_vjp(dtensor_silu_prim, lambda g, out, a: dtensor_silu_backward_prim(g, a))
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Torch-level symbols and their registration in the dispatch table
 # ---------------------------------------------------------------------------------------------------------
 def _refuse_out(name: str, args: tuple, out: Any) -> None:
@@ -376,6 +320,86 @@ def _symbol_for(prim: ti.Symbol, name: str, params: tuple[str, ...] = ("input", 
     return define_dtensor_symbol(call)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Elementwise unary ops: one statement each
+# ---------------------------------------------------------------------------------------------------------
+def unary_op(
+    name: str,
+    torch_fn: Callable,
+    grad: Callable | None = None,
+    *,
+    functions: tuple[Callable, ...] | None = None,
+    also: tuple[Callable, ...] = (),
+) -> ti.Symbol:
+    """One elementwise unary op, everything about it: ``dtensor_<name>_prim`` (its meta DTensor's sharding
+    propagation, its execution ``torch_fn`` on DTensors, lowered like any prim), its grad rule ``grad(g, out, a)``
+    (None: eager DTensor's own backward, traced), its torch-level symbol ``dtensor_<name>`` (``input=`` taken as
+    a keyword, ``out=`` refused) and its dispatch entries: ``torch.<name>`` and ``Tensor.<name>`` (or each of
+    ``functions`` with its method), and each function of ``also`` (``F.relu``)."""
+    prim = define_dtensor_prim(name, torch_fn)
+    if grad is not None:
+        rule = grad
+        define_vjp(prim)(lambda g, out, a: (rule(g, out, a),))
+    symbol = _symbol_for(prim, name, ("input",))
+    for fn in (getattr(torch, name),) if functions is None else functions:
+        register_function_for_dtensor(fn, symbol, is_method=True)
+    for fn in also:
+        register_function_for_dtensor(fn, symbol)
+    return prim
+
+
+# Where eager's backward is a fused ATen op (derivatives.yaml: tanh_backward, sigmoid_backward,
+# threshold_backward, silu_backward), the rule calls that op: DTensor's strategy for it decides the gradient's
+# placements (a Partial cotangent is reduced first: the op is pointwise, not linear), not a hand decomposition
+# into mul (which keeps Partial).
+dtensor_tanh_backward_prim = define_dtensor_prim("tanh_backward", torch.ops.aten.tanh_backward.default)
+dtensor_sigmoid_backward_prim = define_dtensor_prim("sigmoid_backward", torch.ops.aten.sigmoid_backward.default)
+dtensor_threshold_backward_prim = define_dtensor_prim("threshold_backward", torch.ops.aten.threshold_backward.default)
+dtensor_silu_backward_prim = define_dtensor_prim("silu_backward", torch.ops.aten.silu_backward.default)
+dtensor_neg_prim: ti.Symbol = unary_op("neg", torch.neg, lambda g, out, a: dtensor_neg_prim(g))
+dtensor_abs_prim = unary_op("abs", torch.abs, lambda g, out, a: dtensor_mul_prim(g, dtensor_sign_prim(a)))
+dtensor_exp_prim = unary_op("exp", torch.exp, lambda g, out, a: dtensor_mul_prim(g, out))
+dtensor_log_prim = unary_op("log", torch.log, lambda g, out, a: dtensor_div_prim(g, a))
+dtensor_sqrt_prim = unary_op("sqrt", torch.sqrt, lambda g, out, a: dtensor_div_prim(g, dtensor_mul_prim(out, 2)))
+dtensor_rsqrt_prim = unary_op(
+    "rsqrt", torch.rsqrt, lambda g, out, a: dtensor_mul_prim(g, dtensor_mul_prim(dtensor_pow_prim(out, 3), -0.5))
+)
+dtensor_reciprocal_prim = unary_op(
+    "reciprocal", torch.reciprocal, lambda g, out, a: dtensor_neg_prim(dtensor_mul_prim(g, dtensor_mul_prim(out, out)))
+)
+dtensor_tanh_prim = unary_op(
+    "tanh", torch.tanh, lambda g, out, a: dtensor_tanh_backward_prim(g, out), also=(torch.nn.functional.tanh,)
+)
+dtensor_sigmoid_prim = unary_op(
+    "sigmoid",
+    torch.sigmoid,
+    lambda g, out, a: dtensor_sigmoid_backward_prim(g, out),
+    also=(torch.nn.functional.sigmoid,),
+)
+dtensor_sin_prim = unary_op("sin", torch.sin, lambda g, out, a: dtensor_mul_prim(g, dtensor_cos_prim(a)))
+dtensor_cos_prim: ti.Symbol = unary_op(
+    "cos", torch.cos, lambda g, out, a: dtensor_neg_prim(dtensor_mul_prim(g, dtensor_sin_prim(a)))
+)
+dtensor_erf_prim = unary_op(
+    "erf",
+    torch.erf,
+    lambda g, out, a: dtensor_mul_prim(
+        g, dtensor_mul_prim(dtensor_exp_prim(dtensor_neg_prim(dtensor_mul_prim(a, a))), 2.0 / math.sqrt(math.pi))
+    ),
+)
+dtensor_sign_prim: ti.Symbol = unary_op("sign", torch.sign)
+dtensor_relu_prim = unary_op(
+    "relu", torch.relu, lambda g, out, a: dtensor_threshold_backward_prim(g, out, 0), also=(torch.nn.functional.relu,)
+)
+dtensor_silu_prim = unary_op(
+    "silu",
+    torch.nn.functional.silu,
+    lambda g, out, a: dtensor_silu_backward_prim(g, a),
+    functions=(),
+    also=(torch.nn.functional.silu,),
+)
+
+
 def _where_method(self, condition, other):
     """``x.where(condition, y)`` is ``torch.where(condition, x, y)``."""
     return dtensor_where_prim(condition, self, other)
@@ -463,7 +487,10 @@ def _is_device(x: Any) -> bool:
 def _same_device(a: Any, device: Any) -> bool:
     """Whether ``device`` names ``a``'s device (an index left out names the current one, as in torch)."""
     have = cast(torch.device, ti.devices.to_torch_device(a.device))  # (a proxy has a device)
-    want = ti.devices.to_torch_device(device) if isinstance(device, ti.devices.Device) else torch.device(device)
+    want = cast(  # (a Device is a device)
+        torch.device,
+        ti.devices.to_torch_device(device) if isinstance(device, ti.devices.Device) else torch.device(device),
+    )
     return want.type == have.type and (want.index is None or want.index == have.index)
 
 
@@ -538,35 +565,10 @@ def _register() -> None:
     }.items():
         binary[getattr(torch, name)] = _symbol_for(prim, name)
 
-    unary_prims = {
-        "neg": dtensor_neg_prim,
-        "abs": dtensor_abs_prim,
-        "exp": dtensor_exp_prim,
-        "log": dtensor_log_prim,
-        "sqrt": dtensor_sqrt_prim,
-        "rsqrt": dtensor_rsqrt_prim,
-        "reciprocal": dtensor_reciprocal_prim,
-        "tanh": dtensor_tanh_prim,
-        "sigmoid": dtensor_sigmoid_prim,
-        "sin": dtensor_sin_prim,
-        "cos": dtensor_cos_prim,
-        "erf": dtensor_erf_prim,
-        "sign": dtensor_sign_prim,
-        "relu": dtensor_relu_prim,
-    }
-    unary = {name: _symbol_for(prim, name, ("input",)) for name, prim in unary_prims.items()}
-    for name, symbol in unary.items():
-        binary[getattr(torch, name)] = symbol
-
     for torch_fn, dtensor_symbol in binary.items():
         register_function_for_dtensor(torch_fn, dtensor_symbol, is_method=True)
 
-    silu = _symbol_for(dtensor_silu_prim, "silu", ("input",))
-    register_function_for_dtensor(torch.nn.functional.silu, silu)
     register_function_for_dtensor(torch.nn.functional.gelu, dtensor_gelu)
-    # F.relu / F.sigmoid / F.tanh are the same ops as their torch-namespace twins
-    for name in ("relu", "sigmoid", "tanh"):
-        register_function_for_dtensor(getattr(torch.nn.functional, name), unary[name])
     # operator methods that have no torch-namespace twin
     register_method_for_dtensor("to", dtensor_to)
     register_method_for_dtensor("float", _method_cast(torch.float32, "float"))

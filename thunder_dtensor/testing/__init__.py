@@ -9,10 +9,11 @@ full tensors (the math) and with eager DTensor (the placements, and the collecti
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "raises",
     "rewritten",
     "run_case",
+    "without_sharding_rule",
     "world_size",
     "write_comm_report",
 ]
@@ -414,6 +416,59 @@ def _cotangent_like(out: Any, full: torch.Tensor) -> Any:
     return full
 
 
+@contextlib.contextmanager
+def without_sharding_rule(*ops: Any) -> Iterator[None]:
+    """DTensor has no sharding rule for the aten ops ``ops`` (``torch.ops.aten.addbmm.default``, ...) meanwhile.
+
+    For tests of what happens where DTensor has none: the op is taken out of the sharding propagator's tables
+    and handlers and out of its derivation of strategies from an op's decomposition, so eager DTensor raises
+    its "does not have a sharding strategy" error, whether or not this torch release has a rule. DTensor's and
+    this package's caches of propagation results are cleared on entry and on exit.
+    """
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    propagator = dispatcher.sharding_propagator
+    tables = [dispatcher._custom_op_handlers] + [
+        getattr(propagator, name)
+        for name in ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
+        if hasattr(propagator, name)
+    ]
+    removed = [(table, op, table.pop(op)) for table in tables for op in ops if op in table]
+    strategy: Any = None
+    try:  # torch 2.13 derives a strategy from the op's decomposition where it has none
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy as strategy
+    except ImportError:
+        pass
+    has_decomp = getattr(strategy, "__dict__", {}).get("has_decomp")
+    if has_decomp is not None:
+        blocked = frozenset(ops)
+        strategy.has_decomp = staticmethod(lambda op: op not in blocked and has_decomp.__func__(op))
+    _forget_sharding_decisions()
+    try:
+        yield
+    finally:
+        for table, op, rule in removed:
+            table[op] = rule
+        if has_decomp is not None:
+            strategy.has_decomp = has_decomp
+        _forget_sharding_decisions()
+
+
+def _forget_sharding_decisions() -> None:
+    """DTensor's cached sharding decisions and this package's: propagation results, the ops it decomposes, plain
+    programs (a change of DTensor's rules changes each of them)."""
+    from thunder_dtensor import _integration as ti
+    from thunder_dtensor._integration import bootstrap
+    from thunder_dtensor.ops.no_rule import PLAIN_PROGRAM_CACHE
+    from thunder_dtensor.primitive import PROPAGATION_CACHE
+
+    ti.clear_sharding_propagation_cache()
+    bootstrap._DECOMPOSITIONS_WITHOUT_STRATEGY = None  # recomputed from DTensor's tables on the next use
+    PROPAGATION_CACHE.clear()
+    PLAIN_PROGRAM_CACHE.clear()
+
+
 def eager_error(case: DTensorCase, *, backward: bool = True) -> Exception | None:
     """What eager DTensor raises on ``case`` (forward, then backward with ones), or None if it runs.
 
@@ -502,7 +557,7 @@ def run_case(
     plain = fresh_inputs(False)
     expected = _as_tuple(case.fn(*plain, **case.kwargs))
 
-    eager_out = None
+    eager_out: Any = None  # eager's outputs (a tuple), read only where eager ran
     eager_failure: Exception | None = None
     eager_fwd, jit_fwd = counting(), counting()
     if compare_eager:

@@ -36,7 +36,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -1015,7 +1015,7 @@ def _op_redistribute(g: _Generator) -> _Candidate:
 
 def _op_local_roundtrip(g: _Generator) -> _Candidate:
     """``to_local`` then ``DTensor.from_local`` with the same placements (with shape/stride, or inferred if even)."""
-    prefix = []
+    prefix: list[tuple[str, str, Any] | Step] = []
     n = math.prod(g.mesh_shape)
     even_dims = [d for d, size in enumerate(g.shape) if size % n == 0]
     if not g.evenly_sharded() and g.rng.random() < 0.3:
@@ -1066,7 +1066,7 @@ def _op_item(g: _Generator) -> _Candidate:
         ["y.sum()", "y.mean()", "y.amax()", "y.amin()", "y.abs().mean()", "y.detach().sum()", "y[0].sum()"]
     )
     s = g.new_number()
-    steps = [_step("item", f"{s} = {reduction}.item()", defines=s)]
+    steps: list[tuple[str, str, Any] | Step] = [_step("item", f"{s} = {reduction}.item()", defines=s)]
     if g.rng.random() < 0.6:
         steps.append(_number_use(g, s))
     return steps
@@ -1131,6 +1131,7 @@ def _op_embedding(g: _Generator) -> _Candidate:
         "S0" if r < 0.45 else ("S1" if r < 0.6 else "R") for r in (g.rng.random() for _ in g.mesh_shape)
     ]  # vocab-parallel (Shard(0)) most often
     w = g.new_input("w", (vocab, g.shape[-1]), placements=placements)
+    writes: tuple
     keywords, writes = [], ()
     if g.rng.random() < 0.45:
         keywords.append(f"padding_idx={g.rng.randrange(-vocab, vocab)}")
@@ -1702,7 +1703,8 @@ def _judge(
                 )
         # eager's placements are the reference only where its values are right
         eager_reference = eager.placements is not None and "output" not in eager_wrong and not eager.derived_attention
-        if eager_reference and not same_placements(got.placements, eager.placements):
+        # (not None: the forward ran, and eager_reference)
+        if eager_reference and not same_placements(cast(tuple, got.placements), cast(tuple, eager.placements)):
             detail = f"output placements {_fmt(got.placements)} vs eager {_fmt(eager.placements)}"
             failures.append(Failure(mode, "placement-mismatch", at + "output", detail))
     if isinstance(got.error, RanksDisagree):
@@ -1822,7 +1824,9 @@ def _plain_check_with_fixes(kind: str, fn_plain: Callable, program: Program, ref
             return run
         run.grads = [x.grad for x in inputs]
         for want, x in zip(ref.grads, inputs):
-            if (want is None) != (x.grad is None) or (want is not None and _close(x.grad, want, tol)):
+            if (want is None) != (x.grad is None) or (
+                want is not None and _close(cast(torch.Tensor, x.grad), want, tol)
+            ):
                 run.problem = run.problem or "gradients differ"
     return run
 

@@ -19,7 +19,6 @@ matters to tracing and sharding:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -33,9 +32,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["LlamaConfig", "Llama", "apply_tp", "llama_loss"]
 
@@ -158,7 +154,7 @@ def llama_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def apply_tp(model: Llama, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> Llama:
+def apply_tp(model: Llama, tp_mesh: torch.distributed.DeviceMesh, *, loss_parallel: bool) -> Llama:
     """torchtitan's tensor + sequence parallel plan for Llama 3, applied in place; returns ``model``."""
     parallelize_module(
         model,

@@ -8,14 +8,10 @@ head count from its inputs, so the same code runs whole or with heads sharded ov
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -159,7 +155,7 @@ def tensor_parallel_plan(cfg: GPTConfig, *, sequence_parallel: bool) -> dict:
     return plan
 
 
-def parallelize(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool) -> GPT:
+def parallelize(model: GPT, mesh: torch.distributed.DeviceMesh, *, sequence_parallel: bool) -> GPT:
     """Apply the plan and re-tie the output head to the (now vocab-sharded) token embedding."""
     from torch.distributed.tensor.parallel import parallelize_module
 

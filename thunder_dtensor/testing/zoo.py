@@ -35,7 +35,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import fixes_everywhere
 
@@ -214,7 +214,7 @@ def family_of(model_type: str) -> str:
 
     ``gpt_neox`` / ``gpt_oss`` keep their second word: they share nothing but the prefix."""
     words = model_type.split("_")
-    head = re.match(r"[a-z]*", words[0]).group() or words[0]
+    head = cast(re.Match[str], re.match(r"[a-z]*", words[0])).group() or words[0]  # (it matches the empty string)
     if head == "gpt" and len(words) > 1:
         return f"gpt_{words[1]}"
     return head
@@ -274,7 +274,7 @@ _INDEX_LISTS = ("full_attn_idxs", "moe_layers", "attn_layer_indices", "local_lay
 def _per_layer_kwargs(default: dict[str, Any], keep: list[int]) -> dict[str, Any]:
     """The default config's per-layer fields cut down to the layers in ``keep`` (renumbered from 0)."""
     kinds = default.get("layer_types") or default.get("layers_block_type") or default.get("mlp_layer_types")
-    n_default = len(kinds)
+    n_default = len(cast(list, kinds))  # (called where _layer_indices found per-layer kinds)
     kwargs: dict[str, Any] = {}
     for name, value in default.items():
         if not isinstance(value, list):
@@ -548,7 +548,7 @@ def _train(
         loss, logits = step_fn(ids, labels)
         loss.backward()
         grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.requires_grad}
-        yield step, _full(loss).detach(), _full(logits).detach(), grads
+        yield step, cast(torch.Tensor, _full(loss)).detach(), cast(torch.Tensor, _full(logits)).detach(), grads
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -620,7 +620,7 @@ def reference_tokens(model: torch.nn.Module, prompt: torch.Tensor, max_new_token
 
 def _generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     model.eval()
-    return model.generate(
+    return model.generate(  # type: ignore[operator]  # (a transformers model's)
         prompt,
         attention_mask=torch.ones_like(prompt),
         max_new_tokens=max_new_tokens,

@@ -8,6 +8,7 @@ operation on the runtime DTensors. Its grad rule is written with other dtensor p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
@@ -537,40 +538,57 @@ def _cotangent_or_none(out: Any) -> Any:
     return None
 
 
+def forward_and_gradients(
+    torch_fn: Callable,
+    flat: list,
+    tree: Any,
+    diff_indices: tuple,
+    cotangents: Mapping[int, Any],
+    forward_context: Any = None,
+) -> tuple[list, tuple]:
+    """The generic vjp, the one implementation: ``torch_fn``'s tensor outputs on the arguments ``flat`` (torch's
+    pytree ``tree``) and torch autograd's gradients w.r.t. the arguments at ``diff_indices``, for ``cotangents``
+    (output position -> cotangent). :func:`run_vjp` runs it on DTensors (fake at trace time, real in the
+    backward); the lowering traces it on DTensors around fake local tensors (``lowering.tracing.trace_joint``).
+    ``forward_context`` wraps the forward only (``run_vjp``'s recomputation leaves the generators as they were).
+    """
+    with torch.enable_grad(), forward_context or contextlib.nullcontext():
+        leaves = {i: flat[i].detach().requires_grad_() for i in diff_indices}
+        fargs, fkwargs = ti.torch_tree_unflatten([leaves.get(i, x) for i, x in enumerate(flat)], tree)
+        outs = [o for o in ti.torch_tree_flatten(torch_fn(*fargs, **fkwargs))[0] if isinstance(o, torch.Tensor)]
+    pairs = [(outs[i], c) for i, c in cotangents.items() if i < len(outs) and c is not None and outs[i].requires_grad]
+    if not pairs or not leaves:
+        return outs, tuple(None for _ in diff_indices)
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs], [leaves[i] for i in diff_indices], [c for _, c in pairs], allow_unused=True
+    )
+    return outs, tuple(grads)
+
+
 def run_vjp(torch_fn: Callable, args: tuple, kwargs: dict, cotangents: tuple, diff_indices: tuple) -> tuple:
     """Gradients of ``torch_fn(*args, **kwargs)`` w.r.t. the flat inputs at ``diff_indices``.
 
-    Runs torch autograd on DTensors: on fake DTensors at trace time (the gradients' specs), on the runtime
-    DTensors in the backward. The gradients are eager DTensor's, placements included, because they are
-    computed by eager DTensor's own backward. The forward is recomputed: the price of generality.
+    Runs torch autograd on DTensors (:func:`forward_and_gradients`): on fake DTensors at trace time (the
+    gradients' specs), on the runtime DTensors in the backward. The gradients are eager DTensor's, placements
+    included, because they are computed by eager DTensor's own backward. The forward is recomputed: the price
+    of generality.
     """
-    flat, spec = ti.torch_tree_flatten((args, kwargs))
+    flat, tree = ti.torch_tree_flatten((args, kwargs))
+    by_output = dict(enumerate(cotangents))
     # Some inputs cannot be differentiated (a loss's class weights): torch says so when they require grad,
     # in the forward. Drop those, one at a time from the last, and give them no gradient.
     for dropped in range(len(diff_indices) + 1):
         kept = diff_indices[: len(diff_indices) - dropped] if dropped else diff_indices
         try:
-            leaves, outs = _forward_with_leaves(torch_fn, flat, spec, kept)
+            # the recomputation leaves the random generators as they were: eager's backward draws no numbers (a
+            # random op replays its forward's draw from a generator state it takes as an argument: see attention)
+            _, grads = forward_and_gradients(torch_fn, flat, tree, kept, by_output, ti.fork_rng_of(flat))
             break
         except RuntimeError as e:
             if "not differentiable with respect to argument" not in str(e) or not kept:
                 raise
-    pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
-    if not pairs or not leaves:
-        return tuple(None for _ in diff_indices)
-    grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()), [c for _, c in pairs], allow_unused=True)
-    by_index = dict(zip(leaves, grads))
+    by_index = dict(zip(kept, grads))
     return tuple(by_index.get(i) for i in diff_indices)
-
-
-def _forward_with_leaves(torch_fn: Callable, flat: list, spec: Any, indices: tuple) -> tuple[dict, list]:
-    # the recomputation leaves the random generators as they were: eager's backward draws no numbers (a
-    # random op replays its forward's draw from a generator state it takes as an argument: see attention)
-    with torch.enable_grad(), ti.fork_rng_of(flat):
-        leaves = {i: flat[i].detach().requires_grad_() for i in indices}
-        fargs, fkwargs = ti.torch_tree_unflatten([leaves.get(i, x) for i, x in enumerate(flat)], spec)
-        outs = [o for o in ti.torch_tree_flatten(torch_fn(*fargs, **fkwargs))[0] if isinstance(o, torch.Tensor)]
-    return leaves, outs
 
 
 def _backward_distrusted(inputs: list, outs: list) -> str | None:

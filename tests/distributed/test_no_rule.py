@@ -39,6 +39,18 @@ def _prim_names(trace) -> set[str]:
     return {bsym.sym.name for bsym in trace.bound_symbols}
 
 
+@pytest.mark.world_size(2)
+def test_an_op_taken_out_of_dtensor_has_no_rule_until_put_back():
+    """The construction the tests rest on: an op with a rule (``hardtanh`` has one in torch 2.13) fails in eager
+    DTensor while its rule is out, and runs again afterwards."""
+    case = DTensorCase(F.hardtanh, [make_full((4, 6), seed=1)], [[Shard(0)]], requires_grad=[False])
+    assert eager_error(case, backward=False) is None
+    with without_sharding_rule(aten.hardtanh.default):
+        error = eager_error(case, backward=False)
+        assert isinstance(error, NotImplementedError) and "does not have a sharding strategy" in str(error), error
+    assert eager_error(case, backward=False) is None
+
+
 def _check(case: DTensorCase, how: str, backward: bool = True, **kwargs):
     """Eager DTensor fails on the case (the construction holds); thunder_dtensor runs it rewritten, ``how`` the
     least preferred way an op ran, with plain torch's values and gradients."""

@@ -22,7 +22,7 @@ from thunder_dtensor.lowering.graph import (
     has_mutation,
     out_of_place,
 )
-from thunder_dtensor.primitive import PRIMS, is_runtime_number, to_torch_value
+from thunder_dtensor.primitive import PRIMS, forward_and_gradients, is_runtime_number, to_torch_value
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
 from thunder_dtensor.spec import contiguous_stride
@@ -113,28 +113,11 @@ def trace_joint(
 
     def joint(*locals_: torch.Tensor) -> tuple:
         ins, cots = locals_[: len(infos)], locals_[len(infos) :]
-        leaves: dict[int, torch.Tensor] = {}
-        values = [to_torch_value(x) for x in flat]
-        with torch.enable_grad():
-            for (i, info), local in zip(infos, ins):
-                value = value_of(info, local)
-                if i in diff_indices:
-                    value = value.detach().requires_grad_()
-                    leaves[i] = value
-                values[i] = value
-            args, kwargs = ti.torch_tree_unflatten(values, tree)
-            out = cast(Callable, PRIMS[name].runtime_fn)(*args, **kwargs)  # (a traced prim has one)
-            outs = [o for o in ti.torch_tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        values = values_of(flat, infos, ins)
+        cotangents = {i: value_of(info, cot) for i, info, cot in zip(cot_positions, cot_infos, cots)}
+        runtime_fn = cast(Callable, PRIMS[name].runtime_fn)  # (a traced prim has one)
+        outs, grads = forward_and_gradients(runtime_fn, values, tree, diff_indices, cotangents)
         fwd_locals, fwd_specs = unwrapped_outputs(outs)
-        pairs = [(outs[i], value_of(info, cot)) for i, info, cot in zip(cot_positions, cot_infos, cots)]
-        pairs = [(o, c) for o, c in pairs if o.requires_grad]
-        grads: list = [None] * len(diff_indices)
-        if pairs and leaves:
-            grads = list(
-                torch.autograd.grad(
-                    [o for o, _ in pairs], [leaves[i] for i in diff_indices], [c for _, c in pairs], allow_unused=True
-                )
-            )
         grad_locals: list[torch.Tensor | None] = []
         grad_specs: list[Any] = []
         for g in grads:

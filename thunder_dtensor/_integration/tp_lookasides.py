@@ -6,7 +6,7 @@ import types
 from collections.abc import Callable
 from typing import Any, cast
 
-from thunder_dtensor._integration.fixes.speedups import _interpretable_copy, _read_through_interpreter
+from thunder_dtensor._integration.interpreter_calls import interpretable_copy, read_through_interpreter
 from thunder_dtensor._integration.registry import JIT_LOOKASIDES, expects_absent, patch
 
 
@@ -43,7 +43,7 @@ def register_lookaside(
     from thunder.core import interpreter, jit_ext
 
     wrapped = jit_ext.interpreter_needs_wrap(lookaside)
-    interpreted = _interpretable_copy(cast(types.FunctionType, fn))  # (a Python function)
+    interpreted = interpretable_copy(cast(types.FunctionType, fn))  # (a Python function)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if applies is not None:
@@ -53,7 +53,7 @@ def register_lookaside(
         if self_attributes:
             attributes = {}
             for name in self_attributes:
-                value = _read_through_interpreter(args[0], name)
+                value = read_through_interpreter(args[0], name)
                 if value is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED:
                     return value
                 attributes[name] = interpreter.unwrap(value)

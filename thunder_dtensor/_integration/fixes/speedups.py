@@ -1,7 +1,6 @@
-"""Speed-ups (kind ``speedup``; ``THUNDER_DTENSOR_SPEEDUPS=0`` turns them off): module calls, partials and
-thunder's own helpers run outside the interpreter, signatures read once; on CPU, gelu, silu and layer_norm train
-with torch's kernels, complex views with each other as gradients, and causal attention with the CPU flash
-kernel."""
+"""Speed-ups of thunder's interpreter and autograd bridge (kind ``speedup``; ``THUNDER_DTENSOR_SPEEDUPS=0`` turns
+them off): module calls, partials and thunder's own helpers run outside the interpreter, signatures read once, the
+bridge's dummies made without random numbers. torch's CPU kernels are ``cpu_kernels.py``'s."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ from typing import Any, cast
 
 from thunder_dtensor._integration.fixes.scoped_entries import add_scoped_lookaside
 from thunder_dtensor._integration.fixes.switches import EVERYWHERE, IN_DTENSOR_PROGRAMS, active, mode, switched
-from thunder_dtensor._integration.program_scope import add_first_executor, running_a_dtensor_program
+from thunder_dtensor._integration.interpreter_calls import interpretable_copy, read_through_interpreter
+from thunder_dtensor._integration.program_scope import running_a_dtensor_program
 from thunder_dtensor._integration.registry import (
     INTERPRETER_LOOKASIDES,
     OPCODE_HANDLERS,
@@ -30,13 +30,6 @@ import torch
 # ---------------------------------------------------------------------------------------------------------
 # Module calls (torch 2.13 ``nn.Module._call_impl`` layout, thunder 0.2.6 interpreter): first-call time
 # ---------------------------------------------------------------------------------------------------------
-def _read_through_interpreter(obj: Any, name: str) -> Any:
-    """``obj.name`` read by the interpreter (``obj`` wrapped), so the prologue checks what was read."""
-    from thunder.core import interpreter
-
-    return interpreter._interpret_call(getattr, obj, interpreter.wrap_const(name))
-
-
 def _module_hook_state_is_plain(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` runs only its own forward pre-hooks and forward hooks (with or without kwargs),
     none always-called, no backward hooks, no global hooks, no ``torch.jit`` tracing and no ``module.compile()``:
@@ -74,7 +67,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
 
     lookasides = jit_ext._general_jit_lookaside_map
     call_impl = torch.nn.Module._wrapped_call_impl
-    interpreted_call_impl = _interpretable_copy(cast(types.FunctionType, call_impl))
+    interpreted_call_impl = interpretable_copy(cast(types.FunctionType, call_impl))
     wrap_const, unwrap = interpreter.wrap_const, interpreter.unwrap
     raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
 
@@ -87,7 +80,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
     def module_call(module: Any, *args: Any, **kwargs: Any) -> Any:
         if not _module_hook_state_is_plain(unwrap(module)):
             return interpreter._interpret_call(interpreted_call_impl, module, *args, **kwargs)
-        forward = _read_through_interpreter(module, "forward")
+        forward = read_through_interpreter(module, "forward")
         if forward is raised:
             return forward
         user_module = unwrap(module)
@@ -96,7 +89,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
         wrapped_args = interpreter.wrap_args(args)
         wrapped_kwargs = interpreter.wrap_kwargs(kwargs)
         if user_module._forward_pre_hooks:
-            hooks = _read_through_interpreter(module, "_forward_pre_hooks")
+            hooks = read_through_interpreter(module, "_forward_pre_hooks")
             for hook_id in list(unwrap(hooks)):
                 hook = hook_by_id(hooks, hook_id)
                 if hook_id in user_module._forward_pre_hooks_with_kwargs:
@@ -125,7 +118,7 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
         output = call_star(forward, wrapped_args, wrapped_kwargs)
         if output is raised or not user_module._forward_hooks:
             return output
-        hooks = _read_through_interpreter(module, "_forward_hooks")
+        hooks = read_through_interpreter(module, "_forward_hooks")
         for hook_id in list(unwrap(hooks)):
             hook = hook_by_id(hooks, hook_id)
             if hook_id in user_module._forward_hooks_with_kwargs:
@@ -140,14 +133,6 @@ def dispatch_module_calls_outside_the_interpreter() -> None:
 
     assert call_impl not in lookasides, "thunder has a lookaside for Module._wrapped_call_impl now"
     add_scoped_lookaside("dispatch_module_calls_outside_the_interpreter", call_impl, module_call)
-
-
-def _interpretable_copy(fn: types.FunctionType) -> types.FunctionType:
-    """The same function under another identity: interpreting it interprets ``fn``'s code, which a lookaside on
-    ``fn`` itself would prevent."""
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
 
 
 @installer("speedup", "functools.partial objects are called without interpreting thunder's helper for them")
@@ -170,8 +155,8 @@ def call_partials_outside_the_interpreter() -> None:
     def partial_call(partial: Any, *args: Any, **kwargs: Any) -> Any:
         if type(interpreter.unwrap(partial)) is not functools.partial or interpreter.unwrap(partial).keywords:
             return thunder_partial_call(partial, *args, **kwargs)
-        func = _read_through_interpreter(partial, "func")
-        bound = _read_through_interpreter(partial, "args")
+        func = read_through_interpreter(partial, "func")
+        bound = read_through_interpreter(partial, "args")
         if interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED in (func, bound):
             return interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
         interpreter.populate_item_wrappers(bound)
@@ -398,10 +383,10 @@ def run_interpreter_helpers_directly() -> None:
         if not (inspect.ismethod(method) and not hasattr(method, "__thunder_interpreter_orig_fn") and direct()):
             return thunder_call_dispatch(compilectx, runtimectx, fn, *args, **kwargs)
         wrapped = fn if isinstance(fn, interpreter.WrappedValue) else wrap_const(fn)
-        func = _read_through_interpreter(wrapped, "__func__")
+        func = read_through_interpreter(wrapped, "__func__")
         if func is raised:
             return func
-        receiver = _read_through_interpreter(wrapped, "__self__")
+        receiver = read_through_interpreter(wrapped, "__self__")
         if receiver is raised:
             return receiver
         return interpreter._interpret_call(func, receiver, *args, **kwargs)
@@ -419,284 +404,6 @@ def run_interpreter_helpers_directly() -> None:
     patch(interpreter, "globals_lookup", globals_lookup, expects=expects_function(module, "globals_dict", "name"))
     patch(interpreter, "_call_dispatch", call_dispatch, expects=expects_function(module, "compilectx", "runtimectx"))
     patch(interpreter, "dis", _dis_disassembling_once_per_code(), expects=expects_identical(dis))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Plain CPU tensors: gelu, silu and layer_norm forward and backward as torch's own kernels (thunder 0.2.6)
-# ---------------------------------------------------------------------------------------------------------
-#: the executor that runs them (first among thunder's default executors, CPU tensors only)
-EAGER_KERNELS_EXECUTOR_NAME = "cpu_eager_kernels"
-
-
-def _plain_on_cpu(dtype_ok: Callable[[Any], bool], a: Any, *args: Any, **kwargs: Any) -> bool:
-    """Plain (not DTensor) CPU tensors only, ``a`` of a dtype ``dtype_ok`` accepts, every tensor argument on
-    the same device."""
-    from thunder.core.proxies import TensorProxy
-
-    tensors = [x for x in (a, *args, *kwargs.values()) if isinstance(x, TensorProxy)]
-    return (
-        type(a) is TensorProxy
-        and a.device.devicetype.name == "CPU"
-        and dtype_ok(a.dtype)
-        and all(type(x) is TensorProxy and x.device == a.device for x in tensors)
-    )
-
-
-def _on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
-    """Plain (not DTensor) floating-point CPU tensors only, every tensor argument on the same device."""
-    from thunder.core import dtypes
-
-    return _plain_on_cpu(dtypes.is_float_dtype, a, *args, **kwargs)
-
-
-@functools.cache
-def _eager_kernels_executor() -> Any:
-    """An executor whose grad rules for ``gelu``, ``silu`` and ``layer_norm`` on CPU are torch's: the forward
-    kernel, saving what eager autograd saves, and the backward kernel (``gelu_backward``, ``silu_backward``,
-    ``native_layer_norm_backward``). thunder 0.2.6 differentiates their decompositions instead, which on CPU
-    (no fusion executor) costs a pass over memory per elementwise op and saves several intermediates per op:
-    a 4-block LayerNorm + GELU MLP trains 1.9x slower than eager with 1.8x its peak memory."""
-    import thunder.torch as ltorch
-    from thunder.core.proxies import TensorProxy
-    from thunder.core.transforms import get_grad, put_grad
-    from thunder.extend import OperatorExecutor
-
-    ex = OperatorExecutor(EAGER_KERNELS_EXECUTOR_NAME)
-    aten = torch.ops.aten
-
-    def same(a: Any, *args: Any, **kwargs: Any) -> Any:
-        return TensorProxy(like=a)
-
-    def like_input(g: Any, a: Any, *args: Any) -> Any:  # a backward's meta: the gradient of its input ``a``
-        return TensorProxy(like=a)
-
-    gelu = ex.register_operator("cpu_gelu", meta=same, fn=lambda a, approximate: aten.gelu(a, approximate=approximate))
-    gelu_backward = ex.register_operator(
-        "cpu_gelu_backward",
-        meta=like_input,
-        fn=lambda g, a, approximate: aten.gelu_backward(g, a, approximate=approximate),
-    )
-
-    # the grad rules take their symbol's signature: thunderfx's splitter matches their parameters to its meta's
-    def gelu_grad(a: Any, /, *, approximate: str = "none") -> Any:
-        out = gelu(a, approximate)
-        put_grad(a, gelu_backward(get_grad(out), a, approximate))
-        return out
-
-    ex.register_implementation(
-        ltorch.gelu,
-        checker=_on_cpu,
-        execution_transform=lambda a, /, *, approximate="none": gelu(a, approximate),
-        grad_transform=gelu_grad,
-    )
-
-    silu = ex.register_operator("cpu_silu", meta=same, fn=aten.silu)
-    silu_backward = ex.register_operator("cpu_silu_backward", meta=like_input, fn=aten.silu_backward)
-
-    def silu_grad(a: Any, /, inplace: bool = False) -> Any:
-        out = silu(a)
-        put_grad(a, silu_backward(get_grad(out), a))
-        return out
-
-    ex.register_implementation(
-        ltorch.silu, checker=_on_cpu, execution_transform=lambda a, /, inplace=False: silu(a), grad_transform=silu_grad
-    )
-
-    def layer_norm_meta(a: Any, shape: tuple, weight: Any, bias: Any, eps: float) -> tuple:
-        stats = (*a.shape[: a.ndim - len(shape)], *([1] * len(shape)))
-        return TensorProxy(like=a), TensorProxy(like=a, shape=stats), TensorProxy(like=a, shape=stats)
-
-    def layer_norm_backward_meta(g: Any, a: Any, shape: tuple, mean: Any, rstd: Any, weight: Any, bias: Any) -> tuple:
-        return (
-            TensorProxy(like=a),
-            None if weight is None else TensorProxy(like=weight),
-            None if bias is None else TensorProxy(like=bias),
-        )
-
-    def run_layer_norm_backward(g, a, shape, mean, rstd, weight, bias):  # noqa: ANN001, ANN202
-        mask = [True, weight is not None, bias is not None]
-        return aten.native_layer_norm_backward(g, a, list(shape), mean, rstd, weight, bias, mask)
-
-    layer_norm = ex.register_operator(
-        "cpu_native_layer_norm",
-        meta=layer_norm_meta,
-        fn=lambda a, shape, weight, bias, eps: aten.native_layer_norm(a, list(shape), weight, bias, eps),
-    )
-    layer_norm_backward = ex.register_operator(
-        "cpu_native_layer_norm_backward", meta=layer_norm_backward_meta, fn=run_layer_norm_backward
-    )
-
-    def layer_norm_forward(
-        a: Any, /, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
-    ) -> Any:
-        return layer_norm(a, tuple(normalized_shape), weight, bias, eps)[0]
-
-    def layer_norm_grad(
-        a: Any, /, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
-    ) -> Any:
-        shape = tuple(normalized_shape)
-        out, mean, rstd = layer_norm(a, shape, weight, bias, eps)
-        grads = layer_norm_backward(get_grad(out), a, shape, mean, rstd, weight, bias)
-        for x, g in zip((a, weight, bias), grads):
-            if x is not None:
-                put_grad(x, g)
-        return out
-
-    ex.register_implementation(
-        ltorch.layer_norm, checker=_on_cpu, execution_transform=layer_norm_forward, grad_transform=layer_norm_grad
-    )
-    _register_complex_views(ex)
-    _register_cpu_flash_attention(ex)
-    return ex
-
-
-def _flash_attention_runs(
-    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, **_: Any
-) -> bool:
-    """Whether torch's CPU flash-attention kernel takes this call as it is: 4-D plain CPU float tensors of
-    the same batch and head counts and one head size, keys and values of one length, no mask, no dropout."""
-    return (
-        _on_cpu(query, key, value)
-        and attn_mask is None
-        and isinstance(dropout_p, int | float)
-        and dropout_p == 0.0
-        and query.ndim == key.ndim == value.ndim == 4
-        and tuple(query.shape[:2]) == tuple(key.shape[:2]) == tuple(value.shape[:2])
-        and query.shape[3] == key.shape[3] == value.shape[3] > 0
-        and key.shape[2] == value.shape[2] > 0
-        and query.shape[2] > 0
-    )
-
-
-def _with_unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _register_cpu_flash_attention(ex: Any) -> None:
-    """``scaled_dot_product_attention`` of plain CPU tensors with torch's fused CPU kernel, forward and
-    backward, where eager would pick it too (no mask, no dropout: a causal LLM's attention). thunder 0.2.6
-    decomposes SDPA into matmuls, a softmax and a mask on CPU (its ``sdpa`` executor claims CUDA only):
-    about 15 ops forward and 30 backward, and the full score matrix saved for the backward."""
-    import thunder.torch as ltorch
-    from thunder.core import dtypes
-    from thunder.core.proxies import TensorProxy
-    from thunder.core.transforms import get_grad, put_grad
-
-    aten = torch.ops.aten
-
-    def flash_meta(q: Any, k: Any, v: Any, is_causal: bool, scale: Any) -> tuple:
-        stats = dtypes.float32 if q.dtype in (dtypes.bfloat16, dtypes.float16) else q.dtype
-        return TensorProxy(like=q), TensorProxy(like=q, shape=tuple(q.shape[:3]), dtype=stats)
-
-    def run_flash(q, k, v, is_causal, scale):  # noqa: ANN001, ANN202
-        q, k, v = (_with_unit_last_stride(t) for t in (q, k, v))
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-
-    def flash_backward_meta(g: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, is_causal: bool, scale: Any) -> tuple:
-        return TensorProxy(like=q), TensorProxy(like=k), TensorProxy(like=v)
-
-    def run_flash_backward(g, q, k, v, out, lse, is_causal, scale):  # noqa: ANN001, ANN202
-        q, k, v = (_with_unit_last_stride(t) for t in (q, k, v))
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g.contiguous(), q, k, v, out, lse, 0.0, is_causal, scale=scale
-        )
-
-    flash = ex.register_operator("cpu_flash_attention", meta=flash_meta, fn=run_flash)
-    flash_backward = ex.register_operator(
-        "cpu_flash_attention_backward", meta=flash_backward_meta, fn=run_flash_backward
-    )
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
-        return flash(query, key, value, is_causal, scale)[0]
-
-    def sdpa_grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
-        out, lse = flash(query, key, value, is_causal, scale)
-        grads = flash_backward(get_grad(out), query, key, value, out, lse, is_causal, scale)
-        for x, g in zip((query, key, value), grads):
-            put_grad(x, g)
-        return out
-
-    ex.register_implementation(
-        ltorch.scaled_dot_product_attention,
-        checker=_flash_attention_runs,
-        execution_transform=sdpa,
-        grad_transform=sdpa_grad,
-    )
-
-
-def _complex_on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
-    """A plain (not DTensor) complex CPU tensor."""
-    from thunder.core import dtypes
-
-    return _plain_on_cpu(dtypes.is_complex_dtype, a, *args, **kwargs)
-
-
-def _complex_viewable_on_cpu(a: Any, *args: Any, **kwargs: Any) -> bool:
-    """A plain (not DTensor) CPU tensor of a real dtype that has a complex counterpart (not bfloat16)."""
-    from thunder.core import dtypes
-
-    return _on_cpu(a) and a.dtype in (dtypes.float16, dtypes.float32, dtypes.float64)
-
-
-def _register_complex_views(ex: Any) -> None:
-    """``view_as_complex`` / ``view_as_real`` (a complex RoPE) differentiated by each other, as torch's autograd
-    does. thunder 0.2.6 registers them automatically, with a backward that runs
-    ``torch.autograd.functional.vjp`` on every call: about 90 µs against 2 µs for the view, four times per
-    Llama block's step."""
-    import thunder.torch as ltorch
-    from thunder.core import dtypes
-    from thunder.core.proxies import TensorProxy
-    from thunder.core.transforms import get_grad, put_grad
-
-    def complex_meta(a: Any) -> Any:
-        return TensorProxy(like=a, shape=tuple(a.shape[:-1]), dtype=dtypes.corresponding_complex_dtype(a.dtype))
-
-    def real_meta(a: Any) -> Any:
-        return TensorProxy(like=a, shape=(*a.shape, 2), dtype=dtypes.corresponding_real_dtype(a.dtype))
-
-    as_complex = ex.register_operator("cpu_view_as_complex", meta=complex_meta, fn=torch.view_as_complex)
-    as_real = ex.register_operator("cpu_view_as_real", meta=real_meta, fn=torch.view_as_real)
-    # torch's own backward formulas: a gradient may be non-contiguous, or (complex) an unresolved conjugate
-    as_complex_backward = ex.register_operator(
-        "cpu_view_as_complex_backward", meta=real_meta, fn=lambda g: torch.view_as_real(g.contiguous().resolve_conj())
-    )
-    as_real_backward = ex.register_operator(
-        "cpu_view_as_real_backward", meta=complex_meta, fn=lambda g: torch.view_as_complex(g.contiguous())
-    )
-
-    def view_as_complex_grad(a: Any, /) -> Any:
-        out = as_complex(a)
-        put_grad(a, as_complex_backward(get_grad(out)))
-        return out
-
-    def view_as_real_grad(a: Any, /) -> Any:
-        out = as_real(a)
-        put_grad(a, as_real_backward(get_grad(out)))
-        return out
-
-    ex.register_implementation(
-        ltorch.view_as_complex,  # type: ignore[attr-defined]  # (thunder registers it at import)
-        checker=_complex_viewable_on_cpu,
-        execution_transform=as_complex,
-        grad_transform=view_as_complex_grad,
-    )
-    ex.register_implementation(
-        ltorch.view_as_real,  # type: ignore[attr-defined]  # (thunder registers it at import)
-        checker=_complex_on_cpu,
-        execution_transform=as_real,
-        grad_transform=view_as_real_grad,
-    )
-
-
-@installer("speedup", "gelu, silu, layer_norm, complex views and causal SDPA on CPU train with torch's kernels")
-def run_cpu_ops_with_torch_kernels() -> None:
-    """Put an executor first among thunder's default executors in a program's list (where this fix is active)
-    that claims ``gelu``, ``silu`` and ``layer_norm`` of plain CPU tensors, forward and backward, with torch's
-    kernels (see :func:`_eager_kernels_executor`), and ``view_as_complex`` / ``view_as_real`` with each other as
-    gradients (:func:`_register_complex_views`), and attention without mask or dropout with torch's CPU flash
-    kernel (:func:`_register_cpu_flash_attention`). A program whose ``executors=`` list leaves out thunder's
-    defaults keeps it; other devices and DTensors are not claimed (nvFuser fuses the decompositions on GPUs)."""
-    add_first_executor("run_cpu_ops_with_torch_kernels", _eager_kernels_executor())
 
 
 # ---------------------------------------------------------------------------------------------------------

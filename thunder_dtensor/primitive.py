@@ -29,6 +29,7 @@ from thunder_dtensor.signature import SignatureCache, call_signature, describe_v
 import torch
 
 __all__ = [
+    "call_backwards_with",
     "define_dtensor_prim",
     "define_vjp",
     "propagate_on_fake_dtensors",
@@ -619,6 +620,22 @@ def is_generic_vjp(name: str) -> bool:
     return record is not None and record.is_generic_vjp
 
 
+@dataclasses.dataclass
+class _BackwardCall:
+    call_or_rewrite: Callable | None = None
+    replicated: Callable | None = None
+
+
+#: how a generic vjp is called (:func:`call_backwards_with`)
+_BACKWARD_CALL = _BackwardCall()
+
+
+def call_backwards_with(call_or_rewrite: Callable, replicated: Callable) -> None:
+    """How generic vjps are called: ``ops/no_rule.py`` (which builds on this module) gives its policy, a
+    backward DTensor has no rule for being decomposed, else replicated. Set at import, before any tracing."""
+    _BACKWARD_CALL.call_or_rewrite, _BACKWARD_CALL.replicated = call_or_rewrite, replicated
+
+
 def _register_generic_vjp(record: PrimRecord, name: str) -> None:
     prim, runtime_fn = record.symbol, cast(Callable, record.runtime_fn)  # (a differentiable prim has one)
     vjp_source = functools.partial(run_vjp, runtime_fn)
@@ -626,16 +643,20 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
     PRIMS[vjp_prim.name].is_generic_vjp = True
 
     def vjp(*vjp_args: Any, distrust: str | None = None) -> Any:
-        # a backward DTensor has no rule for is decomposed, else replicated, as a forward op is
-        from thunder_dtensor.ops.no_rule import call_or_rewrite, replicated  # (it builds on this module)
-
-        return call_or_rewrite(
+        # a backward DTensor has no rule for is decomposed, else replicated, as a forward op is (the policy is
+        # ops/no_rule.py's, which builds on this module: it hands it over as it is imported)
+        call_or_rewrite, replicated = _BACKWARD_CALL.call_or_rewrite, _BACKWARD_CALL.replicated
+        ti.check(
+            call_or_rewrite is not None and replicated is not None,
+            lambda: "ops/no_rule.py gives how generic vjps are called",
+        )
+        return cast(Callable, call_or_rewrite)(
             vjp_prim,
             f"{name}_vjp",
             vjp_source,
             vjp_args,
             {},
-            replicated_source=functools.partial(run_vjp, replicated(runtime_fn)),
+            replicated_source=functools.partial(run_vjp, cast(Callable, replicated)(runtime_fn)),
             differentiable=False,
             distrust=distrust,
         )

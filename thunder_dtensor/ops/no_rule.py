@@ -34,6 +34,7 @@ from thunder_dtensor.errors import DataDependentValueError, DTensorOpError, firs
 from thunder_dtensor.primitive import (
     PRIMS,
     WrongShapeError,
+    call_backwards_with,
     define_dtensor_prim,
     is_runtime_number,
     propagated_fakes,
@@ -314,3 +315,6 @@ def _record(name: str, how: str) -> None:
 def _with_reasons(error: DTensorOpError, reasons: list[str]) -> DTensorOpError:
     error.args = (error.args[0] + "".join(f"\n  rewrite: {r}" for r in reasons),) + error.args[1:]
     return error
+
+
+call_backwards_with(call_or_rewrite, replicated)  # a generic vjp's backward op is decomposed or replicated too

@@ -124,39 +124,11 @@ def _keeps_a_partial_sum(tensor: DTensorProxy, out: Any) -> bool:
     return any(is_sum(p) and is_sum(q) for p, q in zip(tensor.placements, out.placements))
 
 
-dtensor_add_prim, dtensor_sub_prim = (
-    define_dtensor_prim(name, fn, meta=refusing_a_number_into_a_partial_sum(name, fn))
-    for name, fn in (("add", operator.add), ("sub", operator.sub))
-)
-dtensor_mul_prim = define_dtensor_prim("mul", operator.mul)
-dtensor_div_prim = define_dtensor_prim("div", operator.truediv)
-dtensor_pow_prim = define_dtensor_prim("pow", operator.pow)
-dtensor_maximum_prim = define_dtensor_prim("maximum", torch.maximum)
-dtensor_minimum_prim = define_dtensor_prim("minimum", torch.minimum)
-
-
-def _binary_vjp(prim: ti.Symbol, rule: Callable) -> None:
-    """Register ``rule(g, out, a, b) -> (grad_a, grad_b)`` at the output's shape, reduced per operand."""
-
-    @define_vjp(prim)
-    def vjp(g, out, a, b):
-        grad_a, grad_b = rule(g, out, a, b)
-        return grad_for_operand(grad_a, a), grad_for_operand(grad_b, b)
-
-
-_binary_vjp(dtensor_add_prim, lambda g, out, a, b: (g, g))
-_binary_vjp(dtensor_sub_prim, lambda g, out, a, b: (g, dtensor_neg_prim(g)))
-_binary_vjp(dtensor_mul_prim, lambda g, out, a, b: (dtensor_mul_prim(g, b), dtensor_mul_prim(g, a)))
-
-
 def _div_grads(g, out, a, b):
     grad_b = None
     if isinstance(b, ti.TensorProxy):  # d(a/b)/db = -a / b^2 = -(a/b)/b
         grad_b = dtensor_neg_prim(dtensor_mul_prim(g, dtensor_div_prim(dtensor_div_prim(a, b), b)))
     return dtensor_div_prim(g, b), grad_b
-
-
-_binary_vjp(dtensor_div_prim, _div_grads)
 
 
 def _pow_grads(g, out, a, b):
@@ -173,9 +145,6 @@ def _pow_grads(g, out, a, b):
     return grad_a, grad_b
 
 
-_binary_vjp(dtensor_pow_prim, _pow_grads)
-
-
 def _minmax_grads(strictly_better: ti.Symbol) -> Callable:
     # the strictly better operand takes the gradient; ties split it evenly, as torch's maximum/minimum do
     def grads(g, out, a, b):
@@ -187,13 +156,7 @@ def _minmax_grads(strictly_better: ti.Symbol) -> Callable:
     return grads
 
 
-# Comparisons (no gradient) and where
-dtensor_eq_prim = define_dtensor_prim("eq", operator.eq)
-dtensor_ne_prim = define_dtensor_prim("ne", operator.ne)
-dtensor_lt_prim = define_dtensor_prim("lt", operator.lt)
-dtensor_le_prim = define_dtensor_prim("le", operator.le)
-dtensor_gt_prim = define_dtensor_prim("gt", operator.gt)
-dtensor_ge_prim = define_dtensor_prim("ge", operator.ge)
+# where (the comparisons it is used with are binary ops, below)
 dtensor_where_prim = define_dtensor_prim("where", torch.where)
 
 
@@ -202,10 +165,6 @@ def _where_vjp(g, out, cond, a, b):
     grad_a = dtensor_where_prim(cond, g, 0.0) if isinstance(a, ti.TensorProxy) else None
     grad_b = dtensor_where_prim(cond, 0.0, g) if isinstance(b, ti.TensorProxy) else None
     return None, grad_for_operand(grad_a, a), grad_for_operand(grad_b, b)
-
-
-_binary_vjp(dtensor_maximum_prim, _minmax_grads(dtensor_gt_prim))
-_binary_vjp(dtensor_minimum_prim, _minmax_grads(dtensor_lt_prim))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -318,6 +277,68 @@ def _symbol_for(prim: ti.Symbol, name: str, params: tuple[str, ...] = ("input", 
 
     call.__name__ = f"dtensor_{name}"
     return define_dtensor_symbol(call)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Elementwise binary ops: one statement each
+# ---------------------------------------------------------------------------------------------------------
+def binary_op(
+    name: str,
+    torch_fn: Callable,
+    grads: Callable | None = None,
+    *,
+    params: tuple[str, ...] = ("input", "other"),
+    meta: Callable | None = None,
+    symbol: ti.Symbol | None = None,
+) -> ti.Symbol:
+    """One elementwise binary op, everything about it: ``dtensor_<name>_prim`` (its meta DTensor's sharding
+    propagation, or ``meta``; its execution ``torch_fn`` on DTensors, which broadcast and promote their operands
+    themselves; lowered like any prim), its grad rule ``grads(g, out, a, b) -> (grad_a, grad_b)`` at the output's
+    shape, each reduced to its operand's shape and dtype as autograd does (None: eager DTensor's own backward), its
+    torch-level symbol (``symbol``, else one taking torch's ``params`` as keywords and refusing ``out=``) and its
+    dispatch entries ``torch.<name>`` and ``Tensor.<name>`` (operators included)."""
+    prim = define_dtensor_prim(name, torch_fn, meta=meta)
+    if grads is not None:
+        rule = grads
+
+        @define_vjp(prim)
+        def vjp(g, out, a, b):
+            grad_a, grad_b = rule(g, out, a, b)
+            return grad_for_operand(grad_a, a), grad_for_operand(grad_b, b)
+
+    register_function_for_dtensor(getattr(torch, name), symbol or _symbol_for(prim, name, params), is_method=True)
+    return prim
+
+
+# operator.* rather than torch.*: they also take a Python scalar as the first operand (``1 - x``).
+dtensor_add_prim: ti.Symbol = binary_op(
+    "add",
+    operator.add,
+    lambda g, out, a, b: (g, g),
+    meta=refusing_a_number_into_a_partial_sum("add", operator.add),
+    symbol=dtensor_add,
+)
+dtensor_sub_prim: ti.Symbol = binary_op(
+    "sub",
+    operator.sub,
+    lambda g, out, a, b: (g, dtensor_neg_prim(g)),
+    meta=refusing_a_number_into_a_partial_sum("sub", operator.sub),
+    symbol=dtensor_sub,
+)
+dtensor_mul_prim: ti.Symbol = binary_op(
+    "mul", operator.mul, lambda g, out, a, b: (dtensor_mul_prim(g, b), dtensor_mul_prim(g, a)), symbol=dtensor_mul
+)
+dtensor_div_prim: ti.Symbol = binary_op("div", operator.truediv, _div_grads, symbol=dtensor_div)
+dtensor_pow_prim: ti.Symbol = binary_op("pow", operator.pow, _pow_grads, params=("input", "exponent"))
+# comparisons: no gradient flows back (eager's backward gives none)
+dtensor_eq_prim = binary_op("eq", operator.eq)
+dtensor_ne_prim = binary_op("ne", operator.ne)
+dtensor_lt_prim = binary_op("lt", operator.lt)
+dtensor_le_prim = binary_op("le", operator.le)
+dtensor_gt_prim = binary_op("gt", operator.gt)
+dtensor_ge_prim = binary_op("ge", operator.ge)
+dtensor_maximum_prim = binary_op("maximum", torch.maximum, _minmax_grads(dtensor_gt_prim))
+dtensor_minimum_prim = binary_op("minimum", torch.minimum, _minmax_grads(dtensor_lt_prim))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -543,31 +564,11 @@ dtensor_to = define_dtensor_symbol(_to)
 
 
 def _register() -> None:
-    binary: dict[Callable, Callable] = {
-        torch.add: dtensor_add,
-        torch.sub: dtensor_sub,
-        torch.mul: dtensor_mul,
-        torch.true_divide: dtensor_true_divide,
-        torch.div: dtensor_div,
-        torch.pow: _symbol_for(dtensor_pow_prim, "pow", ("input", "exponent")),
-        torch.maximum: _symbol_for(dtensor_maximum_prim, "maximum"),
-        torch.minimum: _symbol_for(dtensor_minimum_prim, "minimum"),
-        torch.where: _symbol_for(dtensor_where_prim, "where", ("condition", "input", "other")),
-        torch.clamp: dtensor_clamp,
-    }
-    for name, prim in {
-        "eq": dtensor_eq_prim,
-        "ne": dtensor_ne_prim,
-        "lt": dtensor_lt_prim,
-        "le": dtensor_le_prim,
-        "gt": dtensor_gt_prim,
-        "ge": dtensor_ge_prim,
-    }.items():
-        binary[getattr(torch, name)] = _symbol_for(prim, name)
-
-    for torch_fn, dtensor_symbol in binary.items():
-        register_function_for_dtensor(torch_fn, dtensor_symbol, is_method=True)
-
+    # true_divide is div; where and clamp take three operands
+    register_function_for_dtensor(torch.true_divide, dtensor_true_divide, is_method=True)
+    where = _symbol_for(dtensor_where_prim, "where", ("condition", "input", "other"))
+    register_function_for_dtensor(torch.where, where, is_method=True)
+    register_function_for_dtensor(torch.clamp, dtensor_clamp, is_method=True)
     register_function_for_dtensor(torch.nn.functional.gelu, dtensor_gelu)
     # operator methods that have no torch-namespace twin
     register_method_for_dtensor("to", dtensor_to)

@@ -9,6 +9,7 @@ import pathlib
 import re
 import time
 import warnings
+from typing import Any
 
 import thunder_dtensor  # noqa: F401
 from thunder_dtensor.ops.no_rule import ReplicatedFallbackWarning
@@ -29,21 +30,10 @@ its lowering: DTensor's own dispatch traced at trace time into local ATen ops pl
 with `dtensor_lowering=False`, the eager DTensor op on the dtensor executor); the ops of `tests/distributed/op_db.py` (all those a Transformer uses) are tested on placement sweeps at world sizes 2 and 4 against plain torch on full tensors and
 eager DTensor's placements (`tests/distributed/test_ops.py`, `test_norms.py`, `test_special_ops.py`).
 
-| family | torch functions and methods |
-|---|---|
-| pointwise | one prim per torch op: `add` `sub` `mul` `div` `true_divide` `pow` `maximum` `minimum` `eq` `ne` `lt` `le` `gt` `ge` `where` `clamp` (tensor bounds too, torch's gradient at ties) `neg` `abs` `exp` `log` `sqrt` `rsqrt` `reciprocal` `tanh` `sigmoid` `sin` `cos` `erf` `sign` `relu` `F.relu` `F.silu` `F.gelu` (both forms), operators incl. reflected, broadcasting and type promotion (DTensor's own), `Tensor.to(dtype)` `float` `half` `bfloat16` `type_as` |
-| attention | `F.scaled_dot_product_attention`: fused kernel on local shards when batch/heads are sharded (works on CPU meshes, where eager has no strategy; replicated k / v are sliced to q's shards, as eager does; dropout replays the forward's mask in the backward); other layouts gathered first |
-| embedding | `F.embedding`, incl. vocab-parallel (table `Shard(0)`): output `Partial(sum)`, table gradient `Shard(0)` |
-| random | `F.dropout` (mask drawn once, reused by the backward) |
-| in-place | every in-place op thunder knows (`add_` `sub_` `mul_` `div_` `copy_` `zero_` `fill_` `clamp_` `relu_` ...), setitem on dims that are not sharded, `inplace=True` of `F.relu` & co.: eager's in-place op on a copy, then `dtensor_copy__prim` into the destination (the caller's DTensor too) |
-| redistribute | `DTensor.redistribute`, `full_tensor`, `to_local`, `DTensor.from_local` |
-| factories | `zeros_like` `ones_like` `full_like` `empty_like` `rand_like` `randn_like` |
-| losses | `F.nll_loss` / `F.cross_entropy` with class-index targets and `reduction="mean"` on a batch-sharded input: the summed loss over the summed class weights (eager DTensor averages per-rank means, wrong with class weights, `ignore_index` or uneven shards) |
-| per-op prims (fallback) | every other torch function or Tensor method thunder knows, including `matmul` `mm` `bmm` `F.linear` `F.layer_norm` `F.rms_norm` `softmax` `log_softmax` `F.cross_entropy` `F.nll_loss` `sum` `mean` `amax` `var` and the views (`view` `reshape` `transpose` `permute` `unsqueeze` `squeeze` `flatten` `expand` `contiguous` `split` `chunk` `cat` `stack`, slicing): a prim named after the op (`{linear_prim}` for `F.linear`), eager DTensor's sharding rules, eager's backward (lowered: from the joint program; not lowered: recomputing the op) |
-
+{families}
 | no sharding rule (`ops/no_rule.py`) | an op DTensor rejects on well-formed inputs, forward or backward: first **decomposed** (`dtensor_<op>_decomposed_prim`: the op traced on plain tensors with torch's core-ATen decompositions of the aten ops DTensor has no strategy for, then run under DTensor's rules), else **replicated** (`dtensor_<op>_replicated_prim`: inputs gathered to Replicate, the plain op on every rank, Replicate outputs; a `ReplicatedFallbackWarning` once per op and placements; `thunder.jit(fn, dtensor_replicated_fallback=False)` raises instead). Random ops, data-dependent output shapes and writes (`out=`, into an input) raise. The backward of a reduction with a 0-dim `Partial(max)` / `Partial(min)` output (`amax` of a whole sharded tensor, inf-norms) runs replicated: eager DTensor's backward compares with the unreduced value |
 
-All prims: {prims}
+Prims made at import (the fallback's, `dtensor_<namespace>_<op>_prim`, are made on first use): {prims}
 
 ## Known gaps
 
@@ -63,26 +53,121 @@ def main() -> None:
     parser.add_argument("--output", default="docs/op_coverage.md")
     parser.add_argument("--max-samples", type=int, default=None, help="samples per op (default: all)")
     parser.add_argument("--ops", default=None, help="comma-separated OpInfo names (default: MODEL_OPS)")
+    parser.add_argument("--header-only", action="store_true", help="rewrite the header, keep the sweep sections")
     args = parser.parse_args()
+    if args.header_only:  # no ranks needed: the header is the package's records as imported
+        path = pathlib.Path(args.output)
+        path.write_text(header() + path.read_text()[len(_header_of(path.read_text())) :])
+        return
     init_distributed(timeout_s=120)
     # the sweep counts how each op ran; the once-per-op warnings would only fill the log
     warnings.simplefilter("ignore", ReplicatedFallbackWarning)
     names = args.ops.split(",") if args.ops else MODEL_OPS
     start = time.perf_counter()
+    header_text = header()  # (before the sweep makes the fallback's prims)
     results = sweep(names, mesh_1d(), max_samples=args.max_samples, progress=dist.get_rank() == 0)
     if dist.get_rank() == 0:
-        prims = ", ".join(f"`{name}`" for name in sorted(DTENSOR_PRIMS) if not name.endswith("_vjp_prim"))
-        # the fallback names its prims after the torch function: show the name it gave F.linear this run
-        linear = [n for n in sorted(DTENSOR_PRIMS) if n.endswith("_linear_prim") and "bilinear" not in n]
-        header = HEADER.format(prims=prims, linear_prim=linear[0] if linear else "dtensor_<op>_prim")
         section = to_markdown(results, dist.get_world_size(), max_samples=args.max_samples)
         path = pathlib.Path(args.output)
-        path.write_text(header + _sweep_sections(path, dist.get_world_size(), section))
+        path.write_text(header_text + _sweep_sections(path, dist.get_world_size(), section))
         print(f"wrote {args.output} in {time.perf_counter() - start:.0f} s: {summary(results)}")
         for r in results:
             for detail in r.failure_details:
                 print(f"thunder_dtensor fails: {r.name} {detail}")
     dist.destroy_process_group()
+
+
+_FAMILY_OF_MODULE = {
+    "pointwise": "pointwise",
+    "attention": "attention",
+    "embedding": "embedding",
+    "dropout": "random",
+    "inplace": "in-place",
+    "redistribute": "redistribute",
+    "distribute": "redistribute",
+    "factories": "factories",
+    "losses": "losses",
+    "scalars": "values read into Python",
+}
+
+
+def _family_module(symbol: Any) -> str:
+    """The ``ops`` module that defined a dispatch entry's callable (an in-place wrapper: its out-of-place op's)."""
+    symbol = getattr(symbol, "out_of_place", symbol) if not str(getattr(symbol, "name", "")).endswith("_") else symbol
+    module = getattr(getattr(symbol, "meta", None), "__module__", None) or type(symbol).__module__
+    return module.rsplit(".", 1)[-1] if module.startswith("thunder_dtensor.ops.") else ""
+
+
+def _display(fn: Any) -> str:
+    """How the table names a torch callable (``add`` for ``torch.add`` and ``Tensor.add`` alike)."""
+    if isinstance(fn, str):
+        return fn
+    owner = getattr(fn, "__qualname__", "").rsplit(".", 1)[0]
+    module = getattr(fn, "__module__", None) or ""
+    name = fn.__name__
+    if module == "torch.nn.functional":
+        return f"F.{name}"
+    if owner == "DTensor":
+        return f"DTensor.{name}"
+    if module.startswith("torch.distributed"):
+        return f"torch.distributed.tensor.{name}"
+    return name
+
+
+def family_rows() -> list[tuple[str, str, list[str]]]:
+    """(family, what its module says it is, the torch callables routed to it) from the dispatch tables: every
+    family module's entries, in registration order, a function and its Tensor method named once."""
+    import inspect
+
+    from thunder_dtensor import ops
+    from thunder_dtensor.dispatch import DISPATCH_TABLE, METHOD_TABLE
+
+    names: dict[str, list[str]] = {}
+    for fn, route in DISPATCH_TABLE.items():
+        module = _family_module(route.dtensor_symbol)
+        if module in _FAMILY_OF_MODULE:
+            shown = names.setdefault(module, [])
+            if _display(fn) not in shown:
+                shown.append(_display(fn))
+    routed = {getattr(fn, "__name__", None) for fn in DISPATCH_TABLE}
+    for method, route in METHOD_TABLE.items():  # methods with no torch function of that name (x.float())
+        module = _family_module(route.dtensor_symbol)
+        if module in _FAMILY_OF_MODULE and method not in routed and f"Tensor.{method}" not in names.get(module, []):
+            names.setdefault(module, []).append(f"Tensor.{method}")
+    rows: dict[str, tuple[str, list[str]]] = {}
+    for module, family in _FAMILY_OF_MODULE.items():
+        if module in names:
+            doc = (inspect.getdoc(getattr(ops, module)) or "").split("\n\n")[0].replace("\n", " ")
+            what, shown = rows.get(family, ("", []))
+            rows[family] = ((what + " " + doc).strip(), shown + names[module])
+    return [(family, what, shown) for family, (what, shown) in rows.items()]
+
+
+def header() -> str:
+    """docs/op_coverage.md's header: the family table and the prims, from the package's records as imported."""
+    from thunder_dtensor.dispatch import DISPATCH_TABLE
+
+    rows = "\n".join(
+        f"| {family} | {what} | {' '.join(f'`{n}`' for n in names)} |" for family, what, names in family_rows()
+    )
+    fallback = sum(_family_module(r.dtensor_symbol) == "fallback" for r in DISPATCH_TABLE.values())
+    rows += (
+        f"\n| per-op prims (fallback) | every other torch function or Tensor method thunder knows ({fallback} "
+        "dispatch entries), including `matmul` `mm` `bmm` `F.linear` `F.layer_norm` `F.rms_norm` `softmax` "
+        "`log_softmax` `sum` `mean` `amax` `var` and the views (`view` `reshape` `transpose` `permute` `unsqueeze` "
+        "`squeeze` `flatten` `expand` `contiguous` `split` `chunk` `cat` `stack`, slicing): a prim named after "
+        "the op (`dtensor_nn_functional_linear_prim` for `F.linear`), eager DTensor's sharding rules, eager's "
+        "backward (lowered: from the joint program; not lowered: recomputing the op) |"
+    )
+    prims = ", ".join(f"`{name}`" for name in sorted(DTENSOR_PRIMS) if not name.endswith("_vjp_prim"))
+    return HEADER.format(
+        families="| family | what it is | torch functions and methods |\n|---|---|---|\n" + rows, prims=prims
+    )
+
+
+def _header_of(text: str) -> str:
+    """The header part of docs/op_coverage.md's text (everything before the first sweep section)."""
+    return text.split("<!-- sweep ws=", 1)[0]
 
 
 def _sweep_sections(path: pathlib.Path, world_size: int, section: str) -> str:

@@ -301,3 +301,18 @@ def test_declared_thunder_range_is_the_tested_one():
     assert not tested(LooseVersion("0.2.5"))
     pyproject = open(__file__.rsplit("/tests/", 1)[0] + "/pyproject.toml").read()
     assert f'"lightning-thunder>={low},<={nightly}"' in pyproject and str(high) in str(nightly)
+
+
+def test_the_op_coverage_header_is_generated_from_the_records():
+    """docs/op_coverage.md's family table and prim list are what the dispatch tables and prim records say in a
+    fresh interpreter (``scripts/op_coverage.py --header-only`` rewrites them): nothing there is kept by hand."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    code = "import sys; sys.path.insert(0, 'scripts'); import op_coverage; sys.stdout.write(op_coverage.header())"
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    text = (root / "docs" / "op_coverage.md").read_text()
+    assert text.split("<!-- sweep ws=", 1)[0] == run.stdout
+    assert "| pointwise |" in run.stdout and "`F.relu`" in run.stdout and "`dtensor_mul_prim`" in run.stdout

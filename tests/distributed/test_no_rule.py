@@ -112,14 +112,14 @@ def test_op_without_a_decomposition_runs_replicated_and_warns_once(lowering):
     assert result.how_ops_ran == {"torch_addbmm": "replicated fallback"}
     assert result.thunder_out[0].placements == (Replicate(),)
     assert result.thunder_grads[0].placements == (Shard(0),)  # gradients keep their input's placements
-    assert "dtensor_torch_addbmm_replicated_prim" in _prim_names(thunder.last_traces(result.jitted)[0])
+    assert "dtensor_Tensor_addbmm_replicated_prim" in _prim_names(thunder.last_traces(result.jitted)[0])
     # the executed traces name it (joint-lowered, the marker goes with the backward)
     executed = str(thunder.last_traces(result.jitted)[-1]) + str(thunder.last_backward_traces(result.jitted)[-1])
     if lowering:
         assert "'torch_addbmm', 'replicated fallback')" in executed, executed
         assert "all_gather" in executed  # the gather is in the trace
     else:
-        assert "dtensor_torch_addbmm_replicated_prim" in executed
+        assert "dtensor_Tensor_addbmm_replicated_prim" in executed
 
 
 @pytest.mark.world_size(2, 4)

@@ -91,10 +91,25 @@ def test_fallback_prim_names_do_not_depend_on_what_ran_first():
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     here = [fallback_prim(f).name for f in eval(fns)]
-    assert here == ["dtensor_torch_sum_prim", "dtensor_Tensor_sum_prim", "dtensor_torch_cumsum_prim"] + [
+    # torch.sum and Tensor.sum are one ATen op: one prim, named after the method
+    assert here == ["dtensor_Tensor_sum_prim", "dtensor_Tensor_sum_prim", "dtensor_Tensor_cumsum_prim"] + [
         "dtensor_nn_functional_linear_prim"
     ]
     assert fresh.stdout.strip() == str(here)
+
+
+def test_a_function_and_its_method_share_one_prim_where_they_are_one_aten_op():
+    """``torch.op(x, ...)`` is ``x.op(...)`` where both bind one native function taking ``self`` first: one prim.
+    ``torch.where(condition, x, y)`` is not ``x.where(condition, y)``, and Python-level functions keep their own."""
+    from thunder_dtensor.ops.fallback import one_native_op
+
+    for name in ("sum", "cumsum", "transpose", "reshape", "matmul", "masked_select", "amax"):
+        function, method = getattr(torch, name), getattr(torch.Tensor, name)
+        assert one_native_op(function) is method and one_native_op(method) is method
+        assert fallback_prim(function) is fallback_prim(method)
+    assert one_native_op(torch.where) is torch.where  # condition first: another call
+    assert one_native_op(torch.split) is torch.split  # a Python function (torch/functional.py)
+    assert one_native_op(torch.nn.functional.linear) is torch.nn.functional.linear
 
 
 def test_declared_torch_range_is_the_tested_one():
@@ -280,7 +295,7 @@ def test_one_record_per_prim_holds_its_facts():
     assert primitive.PRIMS[dtensor_update_aliases_prim.name].renames_arguments
     assert "in place" in primitive.PRIMS[dtensor_copy__prim.name].not_lowered
     cumsum = primitive.PRIMS[fallback_prim(torch.cumsum).name]
-    assert cumsum.shape_checked and cumsum.torch_functions == [torch.cumsum]
+    assert cumsum.shape_checked and cumsum.torch_functions == [torch.Tensor.cumsum, torch.cumsum]
     source = pathlib.Path(primitive.__file__).read_text()
     imported = [n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m and m.startswith("thunder_dtensor.ops")]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import (
@@ -74,22 +74,52 @@ VIEW_FUNCTIONS: set[Callable] = set()
 NO_GRADIENT_FUNCTIONS: frozenset[Callable] = frozenset({torch.detach, torch.Tensor.detach})
 
 
+@functools.cache
+def one_native_op(torch_fn: Callable) -> Callable:
+    """The callable whose prim serves ``torch_fn``: ``torch.<op>`` and ``Tensor.<op>`` that are one ATen op (C
+    bindings of one native function, every overload of which takes ``self`` first, so that ``torch.op(x, ...)``
+    is ``x.op(...)``, and one symbol in thunder's tables) share the method's prim; anything else keeps its own.
+    """
+    name = getattr(torch_fn, "__name__", None)
+    if not isinstance(name, str) or getattr(torch, name, None) is not torch_fn:
+        return torch_fn
+    method = getattr(torch.Tensor, name, None)
+    if type(method).__name__ != "method_descriptor" or type(torch_fn).__name__ != "builtin_function_or_method":
+        return torch_fn
+    table = ti.torch_to_thunder_map()
+    if torch_fn not in table or method not in table:
+        return torch_fn
+    if ti.thunder_symbol_of(table[torch_fn]) is not ti.thunder_symbol_of(table[method]):
+        return torch_fn
+    packet = getattr(torch.ops.aten, name, None)
+    overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+    if not overloads or any(not o._schema.arguments or o._schema.arguments[0].name != "self" for o in overloads):
+        return torch_fn  # (torch.where(condition, x, y) is x.where(condition, y): not the same call)
+    return cast(Callable, method)
+
+
 def fallback_prim(torch_fn: Callable) -> ti.Symbol:
-    """The dtensor prim for ``torch_fn``, made on first use (one per torch function).
+    """The dtensor prim for ``torch_fn``, made on first use: one per ATen op (:func:`one_native_op`).
 
     The prim of a view op is a view op for thunder's alias pass too: an in-place write into a view of a
     DTensor (``y[:, :1].mul_(0.5)``) then updates the viewed DTensor's later reads, as for plain tensors.
     """
     prim = FALLBACK_PRIMS.get(torch_fn)
     if prim is None:
-        prim = FALLBACK_PRIMS[torch_fn] = define_dtensor_prim(
-            fallback_name(torch_fn), torch_fn, differentiable=torch_fn not in NO_GRADIENT_FUNCTIONS
-        )
+        op = one_native_op(torch_fn)
+        prim = FALLBACK_PRIMS.get(op)
+        if prim is None:
+            prim = FALLBACK_PRIMS[op] = define_dtensor_prim(
+                fallback_name(op), op, differentiable=op not in NO_GRADIENT_FUNCTIONS
+            )
+            PRIMS[prim.name].shape_checked = True
+            if op in VIEW_FUNCTIONS or torch_fn in VIEW_FUNCTIONS:
+                ti.mark_may_return_views(prim)
+        FALLBACK_PRIMS[torch_fn] = prim
         record = PRIMS[prim.name]
-        record.shape_checked = True
-        record.torch_functions.append(torch_fn)
-        if torch_fn in VIEW_FUNCTIONS:
-            ti.mark_may_return_views(prim)
+        for fn in (op, torch_fn):
+            if fn not in record.torch_functions:
+                record.torch_functions.append(fn)
     return prim
 
 
@@ -101,14 +131,17 @@ class FallbackSymbol:
         self.name = f"dtensor_{fallback_name(torch_fn)}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        op = one_native_op(self.torch_fn)
+        if op is not self.torch_fn and not args and "input" in kwargs:  # torch.op(input=x): the method's self
+            args, kwargs = (kwargs["input"],), {k: v for k, v in kwargs.items() if k != "input"}
         # where DTensor has no sharding rule: the op decomposed, else on replicated inputs (ops/no_rule.py)
         return call_or_rewrite(
-            fallback_prim(self.torch_fn),
-            fallback_name(self.torch_fn),
-            self.torch_fn,
+            fallback_prim(op),
+            fallback_name(op),
+            op,
             args,
             kwargs,
-            replicated_source=replicated(self.torch_fn),
+            replicated_source=replicated(op),
             differentiable=True,
         )
 

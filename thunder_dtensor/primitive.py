@@ -523,7 +523,7 @@ def _kept_no_op(name: str, why: str) -> ti.Symbol:
 _undefined_gradients = _kept_no_op("undefined_gradients", "a kept no-op (a backward that computes no gradient)")
 
 #: put by the lowering after the local ops of a rewritten prim, so that the executed trace still names it:
-#: ``dtensor_rewritten_prim((), 'torch_addbmm', 'replicated fallback')`` (unlowered, the prim's own name says it)
+#: ``dtensor_rewritten_prim((), 'Tensor_addbmm', 'replicated fallback')`` (unlowered, the prim's own name says it)
 dtensor_rewritten_prim = _kept_no_op("rewritten", "a kept no-op that names a rewritten op")
 
 

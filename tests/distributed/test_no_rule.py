@@ -108,15 +108,15 @@ def test_op_without_a_decomposition_runs_replicated_and_warns_once(lowering):
     assert len(fallback_warnings) <= 1  # once per process (an earlier test may have warned already)
     if fallback_warnings:
         message = str(fallback_warnings[0].message)
-        assert "torch_addbmm" in message and "S(0)" in message and "dtensor_replicated_fallback" in message
-    assert result.how_ops_ran == {"torch_addbmm": "replicated fallback"}
+        assert "Tensor_addbmm" in message and "S(0)" in message and "dtensor_replicated_fallback" in message
+    assert result.how_ops_ran == {"Tensor_addbmm": "replicated fallback"}
     assert result.thunder_out[0].placements == (Replicate(),)
     assert result.thunder_grads[0].placements == (Shard(0),)  # gradients keep their input's placements
     assert "dtensor_Tensor_addbmm_replicated_prim" in _prim_names(thunder.last_traces(result.jitted)[0])
     # the executed traces name it (joint-lowered, the marker goes with the backward)
     executed = str(thunder.last_traces(result.jitted)[-1]) + str(thunder.last_backward_traces(result.jitted)[-1])
     if lowering:
-        assert "'torch_addbmm', 'replicated fallback')" in executed, executed
+        assert "'Tensor_addbmm', 'replicated fallback')" in executed, executed
         assert "all_gather" in executed  # the gather is in the trace
     else:
         assert "dtensor_Tensor_addbmm_replicated_prim" in executed
@@ -162,7 +162,7 @@ def test_renorm_without_a_sharding_strategy_runs():
     case = DTensorCase(fn, [make_full((6, 8), seed=5)], [[Shard(0)]], requires_grad=[False])
     with without_sharding_rule(aten.renorm.default):
         result = _check(case, "decomposition", backward=False)
-    assert result.how_ops_ran == {"torch_renorm": "decomposition"}, result.how_ops_ran
+    assert result.how_ops_ran == {"Tensor_renorm": "decomposition"}, result.how_ops_ran
 
 
 @pytest.mark.world_size(2, 4)

@@ -48,7 +48,7 @@ _PLAIN_CALLABLES: dict[int, Callable] = {}
 #: (autocast asks which torch function a symbol stands for); kept by :func:`_add_entry`
 _TORCH_FUNCTION_OF_SYMBOL: dict[Any, Callable] = {}
 #: makes the route of a torch function thunder has no symbol for, on its first call on a DTensor
-_unknown_function_route: list[Callable[[Callable], Callable]] = []
+_unknown_function_route: Callable[[Callable], Callable] | None = None
 
 
 def _holds_dtensor(x: Any, depth: int = 0) -> bool:
@@ -105,8 +105,8 @@ def dtensor_callable_for(fn: Any) -> Callable | None:
     """What a call of ``fn`` with DTensor arguments runs (a torch function thunder has no symbol for gets its
     route now), or None: no route."""
     route = DISPATCH_TABLE.get(fn)
-    if route is None and _unknown_function_route and ti.is_unknown_torch_function(fn):
-        route = DTensorRoute(_unknown_function_route[0](fn))
+    if route is None and _unknown_function_route is not None and ti.is_unknown_torch_function(fn):
+        route = DTensorRoute(_unknown_function_route(fn))
         _add_entry(fn, route)
     return None if route is None else route.dtensor_symbol
 
@@ -140,7 +140,8 @@ def method_route(name: str, args: tuple, kwargs: dict) -> Callable | None:
 
 def route_unknown_functions(symbol_for: Callable[[Callable], Callable]) -> None:
     """A torch function thunder has no symbol for, first called on a DTensor, gets ``symbol_for(fn)``'s route."""
-    _unknown_function_route[:] = [symbol_for]
+    global _unknown_function_route
+    _unknown_function_route = symbol_for
 
 
 # ---------------------------------------------------------------------------------------------------------

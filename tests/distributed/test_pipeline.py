@@ -1,0 +1,168 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``) with each stage's module compiled by thunder.
+
+The model is cut into stages; each rank (or each pp group of a pp x tp mesh) runs its stage under
+``thunder.jit`` or thunderfx, and torch's schedule moves micro-batches and their gradients between stages.
+Losses and gradients equal the same model's in one process over the same micro-batches (the schedules scale
+gradients by 1 / micro-batches, so the reference averages the micro-batch losses), step after step, and a
+stage compiles once for one micro-batch shape.
+"""
+
+import contextlib
+import copy
+
+from thunder_dtensor import fixes
+from thunder_dtensor.testing.training import COMPILERS, PARITY_TOL, assert_grads_match
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+STEPS = 2
+MICRO_BATCHES = 4
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class Block(nn.Module):
+    """One stage: an MLP block with a residual (up / down: what tensor parallelism shards, column then row)."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Compiled(nn.Module):
+    """A stage's module as PipelineStage takes it (an nn.Module) with calls going to its compiled form
+    (thunder.jit's ThunderModule is a module already; thunderfx's compiled object is not)."""
+
+    def __init__(self, module: nn.Module, compiled) -> None:
+        super().__init__()
+        self.module = module
+        self.compiled = compiled
+
+    def forward(self, *args):
+        return self.compiled(*args)
+
+
+def _stage_module(module: nn.Module, compiled) -> nn.Module:
+    return compiled if isinstance(compiled, nn.Module) else Compiled(module, compiled)
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def _reference_step(ref: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The one-process step the schedules equal: micro-batch losses, averaged, one backward."""
+    losses = torch.stack([_loss(ref(xm), ym) for xm, ym in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES))])
+    losses.mean().backward()
+    return losses.detach()
+
+
+def _train(stages: list, schedule, ref: nn.Sequential, ref_parts: list, compiled: list, *, last: bool) -> None:
+    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        losses: list = []
+        if last:  # this rank holds the last stage: it computes the losses
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step(x)
+        expected = _reference_step(ref, x, y)
+        if losses:
+            torch.testing.assert_close(torch.stack(losses), expected, **PARITY_TOL)
+        for stage, part in zip(stages, ref_parts):
+            assert_grads_match(stage, part, f"step {step}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for c in compiled:
+        if hasattr(c, "_lc_cd"):  # thunder.jit: one trace per stage for one micro-batch shape (the first step
+            # also runs each stage once on a micro-batch to infer its output's shape: one more call)
+            assert thunder.cache_misses(c) == 1 and thunder.cache_hits(c) == STEPS * MICRO_BATCHES
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("compiler", sorted(COMPILERS))
+def test_two_stages_train_like_one_process(compiler, schedule):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = nn.Sequential(Block(), Block())
+    stage_module = copy.deepcopy(ref[rank])
+    compiled = COMPILERS[compiler](stage_module)
+    stage = PipelineStage(_stage_module(stage_module, compiled), rank, 2, torch.device("cpu"))
+    run = SCHEDULES[schedule](stage, MICRO_BATCHES, loss_fn=_loss)
+    # these stages are plain programs: under thunderfx, thunder 0.2.6 on torch 2.13 fails on any graph (its
+    # interpreter runs fx's lazy code generation and has no len() of a dict's keys view); the package's thunderfx
+    # handling, which compiles each graph to Python first, acts in DTensor programs unless switched on everywhere
+    plain_thunderfx = fixes.enabled("thunderfx_graphs", everywhere=True) if compiler == "thunderfx" else None
+    with plain_thunderfx or contextlib.nullcontext():
+        _train([stage_module], run, ref, [ref[rank]], [compiled], last=rank == 1)
+
+
+@pytest.mark.world_size(2)
+def test_interleaved_stages_train_like_one_process():
+    """Two stages per rank (0 and 2 on rank 0, 1 and 3 on rank 1), each under thunder.jit."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = nn.Sequential(*(Block() for _ in range(4)))
+    indices = (rank, rank + 2)
+    modules = [copy.deepcopy(ref[i]) for i in indices]
+    compiled = [thunder.jit(m) for m in modules]
+    stages = [PipelineStage(c, i, 4, torch.device("cpu")) for c, i in zip(compiled, indices)]
+    run = ScheduleInterleaved1F1B(stages, MICRO_BATCHES, loss_fn=_loss)
+    _train(modules, run, ref, [ref[i] for i in indices], compiled, last=rank == 1)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("compiler", sorted(COMPILERS))
+def test_pipeline_over_tensor_parallel_stages_trains_like_one_process(compiler):
+    """A 2x2 ("pp", "tp") mesh: two stages, each an MLP block sharded column / row over its tp pair."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_rank = mesh.get_local_rank("pp")
+    torch.manual_seed(0)
+    ref = nn.Sequential(Block(), Block())
+    stage_module = parallelize_module(
+        copy.deepcopy(ref[pp_rank]), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    )
+    compiled = COMPILERS[compiler](stage_module)
+    stage = PipelineStage(
+        _stage_module(stage_module, compiled), pp_rank, 2, torch.device("cpu"), group=mesh.get_group("pp")
+    )
+    run = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=_loss)
+    opt = torch.optim.SGD(stage_module.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        losses: list = []
+        if pp_rank == 0:
+            run.step(x)
+        else:
+            run.step(target=y, losses=losses)
+        expected = _reference_step(ref, x, y)
+        if losses:
+            torch.testing.assert_close(torch.stack(losses), expected, **PARITY_TOL)
+        assert_grads_match(stage_module, ref[pp_rank], f"step {step}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    if compiler == "jit":
+        assert thunder.cache_misses(compiled) == 1
+        forward = str(thunder.last_traces(compiled)[-1])
+        assert "all_reduce" in forward  # the row-parallel output's reduction, explicit in the lowered stage

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -166,3 +167,47 @@ def test_pipeline_over_tensor_parallel_stages_trains_like_one_process(compiler):
         assert thunder.cache_misses(compiled) == 1
         forward = str(thunder.last_traces(compiled)[-1])
         assert "all_reduce" in forward  # the row-parallel output's reduction, explicit in the lowered stage
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("compiler", sorted(COMPILERS))
+def test_pipeline_over_fsdp2_stages_trains_like_one_process(compiler):
+    """A 2x2 ("pp", "dp") mesh: each stage fully sharded over its dp pair, each dp rank on half the batch.
+
+    Regression (thunderfx): a later micro-batch reaches the stage while FSDP2 holds its parameters unsharded
+    (plain tensors, between the first micro-batch's forward and its backward); the call must still count as a
+    DTensor program's, or thunder's plain thunderfx path runs (and fails on torch 2.13)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    ref = nn.Sequential(Block(), Block())
+    stage_module = fully_shard(copy.deepcopy(ref[pp_rank]), mesh=mesh["dp"])
+    compiled = COMPILERS[compiler](stage_module)
+    stage = PipelineStage(
+        _stage_module(stage_module, compiled), pp_rank, 2, torch.device("cpu"), group=mesh.get_group("pp")
+    )
+    run = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=_loss)
+    opt = torch.optim.SGD(stage_module.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(700 + step)
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+        half = slice(dp_rank * 8, dp_rank * 8 + 8)
+        losses: list = []
+        if pp_rank == 0:
+            run.step(x[half])
+        else:
+            run.step(target=y[half], losses=losses)
+        # FSDP2 averages over dp, the schedule over micro-batches: the mean of all micro-batch losses
+        chunks = zip(x.chunk(2 * MICRO_BATCHES), y.chunk(2 * MICRO_BATCHES))
+        ref_losses = torch.stack([_loss(ref(xm), ym) for xm, ym in chunks])
+        ref_losses.mean().backward()
+        mine = slice(dp_rank * MICRO_BATCHES, (dp_rank + 1) * MICRO_BATCHES)
+        if losses:
+            torch.testing.assert_close(torch.stack(losses), ref_losses.detach()[mine], **PARITY_TOL)
+        assert_grads_match(stage_module, ref[pp_rank], f"{compiler} step {step}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    if compiler == "jit":
+        assert thunder.cache_misses(compiled) == 1

@@ -110,7 +110,9 @@ def _is_dtensor(value: Any) -> bool:
 
 
 def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
-    """A DTensor among ``args`` / ``kwargs``, or ``fn`` a module with DTensor parameters or buffers."""
+    """A DTensor among ``args`` / ``kwargs``, or ``fn`` a module with DTensor parameters or buffers, or with FSDP2
+    modules in it: their parameters are plain tensors while unsharded, between a forward and its backward, which
+    a pipeline schedule's micro-batches straddle."""
     if not torch.distributed.is_available():
         return False
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
@@ -118,7 +120,11 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
         return True
     module = getattr(fn, "_model", fn)  # a ThunderModule's user module
     if isinstance(module, torch.nn.Module):
-        return any(_is_dtensor(t) for t in (*module.parameters(), *module.buffers()))
+        if any(_is_dtensor(t) for t in (*module.parameters(), *module.buffers())):
+            return True
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(m, FSDPModule) for m in module.modules())
     return False
 
 

@@ -11,6 +11,7 @@ import contextlib
 import copy
 
 from thunder_dtensor import fixes
+from thunder_dtensor.testing.llama import Llama, LlamaConfig, llama_loss
 from thunder_dtensor.testing.training import COMPILERS, PARITY_TOL, assert_grads_match
 
 import pytest
@@ -211,3 +212,63 @@ def test_pipeline_over_fsdp2_stages_trains_like_one_process(compiler):
             o.zero_grad()
     if compiler == "jit":
         assert thunder.cache_misses(compiled) == 1
+
+
+class LlamaStage(nn.Module):
+    """torchtitan's pipeline split of its Llama 3: the first stage keeps the embeddings and the first layers, the
+    last the remaining layers, the norm and the output projection (the parts a stage lacks pass through)."""
+
+    def __init__(self, model: Llama, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.register_buffer("freqs_cis", model.freqs_cis, persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+@pytest.mark.world_size(2)
+def test_torchtitans_pipeline_split_of_llama_trains_like_one_process():
+    """Its stages are plain programs: thunder 0.2.6 gets this model wrong without the package's fixes (RoPE's
+    complex gradients, ``sdpa_kernel`` in the forward), which act in plain programs only when switched on."""
+    with fixes.enabled("all", everywhere=True):
+        _train_llama_stages()
+
+
+def _train_llama_stages() -> None:
+    cfg = LlamaConfig(layers=2)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = Llama(cfg)
+    model = copy.deepcopy(ref)
+    stage_module = LlamaStage(model, range(rank, rank + 1), first=rank == 0, last=rank == 1)
+    compiled = thunder.jit(stage_module)
+    stage = PipelineStage(compiled, rank, 2, torch.device("cpu"))
+    run = ScheduleGPipe(stage, 2, loss_fn=llama_loss)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(900 + step)
+        tokens, labels = (torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g) for _ in range(2))
+        losses: list = []
+        if rank == 0:
+            run.step(tokens)
+        else:
+            run.step(target=labels, losses=losses)
+        ref_losses = torch.stack([llama_loss(ref(t), lab) for t, lab in zip(tokens.chunk(2), labels.chunk(2))])
+        ref_losses.mean().backward()
+        if losses:
+            torch.testing.assert_close(torch.stack(losses), ref_losses.detach(), **PARITY_TOL)
+        assert_grads_match(stage_module, LlamaStage(ref, range(rank, rank + 1), rank == 0, rank == 1), f"step {step}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    assert thunder.cache_misses(compiled) == 1

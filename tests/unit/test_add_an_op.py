@@ -60,7 +60,7 @@ def test_the_docs_one_statement_op_runs_forward_and_backward_on_two_ranks(tmp_pa
     script = tmp_path / "add_an_op.py"
     script.write_text(_ON_EACH_RANK)
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29761"]
         + [str(script), _the_docs_statement()],
         capture_output=True,
         text=True,

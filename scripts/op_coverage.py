@@ -93,7 +93,7 @@ _FAMILY_OF_MODULE = {
 
 def _family_module(symbol: Any) -> str:
     """The ``ops`` module that defined a dispatch entry's callable (an in-place wrapper: its out-of-place op's)."""
-    symbol = getattr(symbol, "out_of_place", symbol) if not str(getattr(symbol, "name", "")).endswith("_") else symbol
+    symbol = getattr(symbol, "out_of_place", symbol)
     module = getattr(getattr(symbol, "meta", None), "__module__", None) or type(symbol).__module__
     return module.rsplit(".", 1)[-1] if module.startswith("thunder_dtensor.ops.") else ""
 

@@ -9,6 +9,7 @@ stage compiles once for one micro-batch shape.
 
 import contextlib
 import copy
+from collections.abc import Callable
 
 from thunder_dtensor import fixes
 from thunder_dtensor.testing.llama import Llama, LlamaConfig, llama_loss
@@ -63,31 +64,46 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    return torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g)
 
 
-def _reference_step(ref: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _reference_step(ref: nn.Sequential, x: torch.Tensor, y: torch.Tensor, micro_batches: int) -> torch.Tensor:
     """The one-process step the schedules equal: micro-batch losses, averaged, one backward."""
-    losses = torch.stack([_loss(ref(xm), ym) for xm, ym in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES))])
+    losses = torch.stack([_loss(ref(xm), ym) for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches))])
     losses.mean().backward()
     return losses.detach()
 
 
-def _train(stages: list, schedule, ref: nn.Sequential, ref_parts: list, compiled: list, *, last: bool) -> None:
+def _train(
+    stages: list,
+    schedule,
+    ref: nn.Sequential,
+    ref_parts: list,
+    compiled: list,
+    *,
+    last: bool,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> None:
+    """Train ``STEPS`` steps and compare each with the one-process model's. With data parallelism (FSDP2 over
+    ``dp_size`` ranks, which averages over them) each dp rank takes its slice of the batch, and the reference
+    averages the micro-batch losses of the whole batch."""
     opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rows = slice(dp_rank * 8, (dp_rank + 1) * 8)
+    mine = slice(dp_rank * MICRO_BATCHES, (dp_rank + 1) * MICRO_BATCHES)
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = _batch(step, 8 * dp_size)
         losses: list = []
         if last:  # this rank holds the last stage: it computes the losses
-            schedule.step(target=y, losses=losses)
+            schedule.step(target=y[rows], losses=losses)
         else:
-            schedule.step(x)
-        expected = _reference_step(ref, x, y)
+            schedule.step(x[rows])
+        expected = _reference_step(ref, x, y, MICRO_BATCHES * dp_size)
         if losses:
-            torch.testing.assert_close(torch.stack(losses), expected, **PARITY_TOL)
+            torch.testing.assert_close(torch.stack(losses), expected[mine], **PARITY_TOL)
         for stage, part in zip(stages, ref_parts):
             assert_grads_match(stage, part, f"step {step}")
         for o in (opt, ref_opt):
@@ -97,6 +113,23 @@ def _train(stages: list, schedule, ref: nn.Sequential, ref_parts: list, compiled
         if hasattr(c, "_lc_cd"):  # thunder.jit: one trace per stage for one micro-batch shape (the first step
             # also runs each stage once on a micro-batch to infer its output's shape: one more call)
             assert thunder.cache_misses(c) == 1 and thunder.cache_hits(c) == STEPS * MICRO_BATCHES
+
+
+def _two_stages_over(mesh, stage_of: Callable[[nn.Module], nn.Module], compiler: str, **dp) -> None:
+    """Two stages over the mesh's "pp" dim, each ``stage_of(its module)`` (parallelized over the other dim)."""
+    pp_rank = mesh.get_local_rank("pp")
+    torch.manual_seed(0)
+    ref = nn.Sequential(Block(), Block())
+    stage_module = stage_of(copy.deepcopy(ref[pp_rank]))
+    compiled = COMPILERS[compiler](stage_module)
+    stage = PipelineStage(
+        _stage_module(stage_module, compiled), pp_rank, 2, torch.device("cpu"), group=mesh.get_group("pp")
+    )
+    run = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=_loss)
+    _train([stage_module], run, ref, [ref[pp_rank]], [compiled], last=pp_rank == 1, **dp)
+    if compiler == "jit" and "tp" in mesh.mesh_dim_names:
+        forward = str(thunder.last_traces(compiled)[-1])
+        assert "all_reduce" in forward  # the row-parallel output's reduction, explicit in the lowered stage
 
 
 @pytest.mark.world_size(2)
@@ -137,37 +170,8 @@ def test_interleaved_stages_train_like_one_process():
 def test_pipeline_over_tensor_parallel_stages_trains_like_one_process(compiler):
     """A 2x2 ("pp", "tp") mesh: two stages, each an MLP block sharded column / row over its tp pair."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    pp_rank = mesh.get_local_rank("pp")
-    torch.manual_seed(0)
-    ref = nn.Sequential(Block(), Block())
-    stage_module = parallelize_module(
-        copy.deepcopy(ref[pp_rank]), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
-    )
-    compiled = COMPILERS[compiler](stage_module)
-    stage = PipelineStage(
-        _stage_module(stage_module, compiled), pp_rank, 2, torch.device("cpu"), group=mesh.get_group("pp")
-    )
-    run = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=_loss)
-    opt = torch.optim.SGD(stage_module.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(STEPS):
-        x, y = _batch(step)
-        losses: list = []
-        if pp_rank == 0:
-            run.step(x)
-        else:
-            run.step(target=y, losses=losses)
-        expected = _reference_step(ref, x, y)
-        if losses:
-            torch.testing.assert_close(torch.stack(losses), expected, **PARITY_TOL)
-        assert_grads_match(stage_module, ref[pp_rank], f"step {step}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    if compiler == "jit":
-        assert thunder.cache_misses(compiled) == 1
-        forward = str(thunder.last_traces(compiled)[-1])
-        assert "all_reduce" in forward  # the row-parallel output's reduction, explicit in the lowered stage
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    _two_stages_over(mesh, lambda block: parallelize_module(block, mesh["tp"], plan), compiler)
 
 
 @pytest.mark.world_size(4)
@@ -179,39 +183,8 @@ def test_pipeline_over_fsdp2_stages_trains_like_one_process(compiler):
     (plain tensors, between the first micro-batch's forward and its backward); the call must still count as a
     DTensor program's, or thunder's plain thunderfx path runs (and fails on torch 2.13)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    torch.manual_seed(0)
-    ref = nn.Sequential(Block(), Block())
-    stage_module = fully_shard(copy.deepcopy(ref[pp_rank]), mesh=mesh["dp"])
-    compiled = COMPILERS[compiler](stage_module)
-    stage = PipelineStage(
-        _stage_module(stage_module, compiled), pp_rank, 2, torch.device("cpu"), group=mesh.get_group("pp")
-    )
-    run = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=_loss)
-    opt = torch.optim.SGD(stage_module.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(700 + step)
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
-        half = slice(dp_rank * 8, dp_rank * 8 + 8)
-        losses: list = []
-        if pp_rank == 0:
-            run.step(x[half])
-        else:
-            run.step(target=y[half], losses=losses)
-        # FSDP2 averages over dp, the schedule over micro-batches: the mean of all micro-batch losses
-        chunks = zip(x.chunk(2 * MICRO_BATCHES), y.chunk(2 * MICRO_BATCHES))
-        ref_losses = torch.stack([_loss(ref(xm), ym) for xm, ym in chunks])
-        ref_losses.mean().backward()
-        mine = slice(dp_rank * MICRO_BATCHES, (dp_rank + 1) * MICRO_BATCHES)
-        if losses:
-            torch.testing.assert_close(torch.stack(losses), ref_losses.detach()[mine], **PARITY_TOL)
-        assert_grads_match(stage_module, ref[pp_rank], f"{compiler} step {step}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    if compiler == "jit":
-        assert thunder.cache_misses(compiled) == 1
+    shard = lambda block: fully_shard(block, mesh=mesh["dp"])
+    _two_stages_over(mesh, shard, compiler, dp_rank=mesh.get_local_rank("dp"), dp_size=2)
 
 
 class LlamaStage(nn.Module):

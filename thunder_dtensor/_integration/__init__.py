@@ -175,6 +175,13 @@ from thunder_dtensor._integration.compile_pipeline import (
     torch_tree_map,
     trace_aten_graph,
 )
+from thunder_dtensor._integration.context_parallel import (
+    context_parallel_dispatch_enabled,
+    head_tail_layout,
+    load_balancer_applies,
+    rotate_method,
+    templated_ring_attention,
+)
 from thunder_dtensor._integration.fixes.cpu_kernels import run_cpu_ops_with_torch_kernels
 from thunder_dtensor._integration.fixes.scoped_entries import consult_scoped_entries
 from thunder_dtensor._integration.fixes.speedups import (
@@ -331,6 +338,11 @@ __all__ = [
 #: small functions over thunder's and torch's private layouts: what the package calls instead of them
 __all__ += [
     "accept_dtensor_proxies",
+    "context_parallel_dispatch_enabled",
+    "head_tail_layout",
+    "load_balancer_applies",
+    "rotate_method",
+    "templated_ring_attention",
     "add_dtensor_executor",
     "add_prologue_constraint",
     "below_autograd",

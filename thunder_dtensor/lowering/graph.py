@@ -186,6 +186,22 @@ def ancestors(nodes: list) -> set:
     return seen
 
 
+def unused_collectives(graph: Any, cotangents: list) -> tuple[list, list]:
+    """Collectives (and their waits) whose results reach no output: (those of the forward, those of the backward).
+
+    Every rank still issues them: the other ranks receive what this one sends (a ring step whose chunk this
+    rank does not attend). One that reads a cotangent belongs to the backward.
+    """
+    used = ancestors(output_nodes(graph))
+    unused = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and ti.is_functional_collective(n.target) and n not in used
+    ]
+    backward = {n for n in unused if ancestors([n]) & set(cotangents)}
+    return [n for n in unused if n not in backward], [n for n in unused if n in backward]
+
+
 def match_forward(first: Traced, again: Traced, env: dict) -> dict | None:
     """Map the forward nodes of ``again`` onto those of ``first`` (already emitted, values in ``env``).
 

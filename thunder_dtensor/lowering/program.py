@@ -69,13 +69,13 @@ def place_waits_late(bsyms: list) -> list:
     out: list = []
     pending: dict[str, ti.BoundSymbol] = {}  # the wait's result's name -> the wait
     for bsym in bsyms:
-        if bsym.sym.name == "wait_tensor":
-            pending[bsym.flat_proxy_outs[0].name] = bsym
-            continue
-        if pending:
+        if pending:  # a wait on a pending wait's result (code that waits twice) first places that one
             reads = {a.name for a in bsym.flat_proxy_args}
             for name in [n for n in pending if n in reads]:
                 out.append(pending.pop(name))
+        if bsym.sym.name == "wait_tensor":
+            pending[bsym.flat_proxy_outs[0].name] = bsym
+            continue
         out.append(bsym)
     assert not pending or out[-1].sym.id == ti.prims.PrimIDs.RETURN, "a wait after the return"
     out[-1:-1] = list(pending.values())

@@ -14,7 +14,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.lowering.graph import NotLowerable, ancestors, match_forward, output_nodes, placeholder_nodes
+from thunder_dtensor.lowering.graph import (
+    NotLowerable,
+    ancestors,
+    match_forward,
+    output_nodes,
+    placeholder_nodes,
+    unused_collectives,
+)
 from thunder_dtensor.lowering.program import claimed, flatten_dtensor_composites, pair_vjps, place_waits_late
 from thunder_dtensor.lowering.symbols import (
     collective_symbol,
@@ -232,7 +239,7 @@ class _Lowering:
         proxies, _, _ = self._inputs(flat)
         env = dict(zip(placeholder_nodes(traced.graph), proxies))
         out_nodes = output_nodes(traced.graph)
-        self._emit(traced.graph, ancestors(out_nodes), env, bsym)
+        self._emit(traced.graph, ancestors(out_nodes + unused_collectives(traced.graph, [])[0]), env, bsym)
         self._bind_outputs(outputs, [env[n] for n in out_nodes], traced.specs)
 
     def _infos(self, flat: list) -> list[tuple[int, LocalInput]]:
@@ -268,7 +275,8 @@ class _Lowering:
         placeholders = placeholder_nodes(first.graph)
         env = dict(zip(placeholders, proxies))
         out_nodes = output_nodes(first.graph)
-        forward_nodes = ancestors(out_nodes[:n])
+        unused_forward, _ = unused_collectives(first.graph, placeholders[len(infos) :])
+        forward_nodes = ancestors(out_nodes[:n] + unused_forward)
         self._emit(first.graph, forward_nodes, env, fwd)
         self._bind_outputs(outputs, [env[node] for node in out_nodes[:n]], first.specs[:n])
         grad_outputs = list(vjp.output)
@@ -287,7 +295,9 @@ class _Lowering:
             for node, c in zip(placeholders[len(infos) :], [cotangents[i] for i in cot_positions]):
                 graph_env[node] = self.local_of(c) if isinstance(c, DTensorProxy) else self.plain_in(c)[0]
             nodes = output_nodes(traced.graph)
-            self._emit(traced.graph, ancestors(nodes[traced.n_forward :]) - fwd_nodes, graph_env, vjp)
+            _, unused_backward = unused_collectives(traced.graph, placeholders[len(infos) :])
+            needed = ancestors(nodes[traced.n_forward :] + unused_backward) - fwd_nodes
+            self._emit(traced.graph, needed, graph_env, vjp)
             grads = [None if node is None else graph_env[node] for node in nodes[traced.n_forward :]]
             if any(g is None and p is not None for g, p in zip(grads, grad_outputs)):
                 raise NotLowerable(f"{vjp.sym.name}: the traced backward leaves a needed gradient undefined")

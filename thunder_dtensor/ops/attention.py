@@ -16,7 +16,9 @@ from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor
+from thunder_dtensor.ops.no_rule import replicated_fallback_enabled, warn_replicated_fallback
 from thunder_dtensor.ops.redistribute import dtensor_redistribute
+from thunder_dtensor.ops.ring_attention import refuse_ring, ring_sdpa, sequence_mesh_dims, why_not_ring
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.sdpa_backends import check_sdpa_call
@@ -171,7 +173,16 @@ def dtensor_scaled_dot_product_attention(
             enable_gqa=enable_gqa,
             rng_state=_rng_state_if_random(q, dropout_p),
         )
-    # any other layout (a sharded sequence or head_dim, mixed placements): gather to Replicate, attend locally
+    if dtensors and sequence_mesh_dims(q):
+        k, v = (_slice_like(t, q) for t in (k, v))  # replicated k / v next to a sequence-sharded q: its slice
+        head_tail = bool(is_causal) and ti.head_tail_layout()
+        why = why_not_ring(q, k, v, attn_mask, dropout_p, is_causal, head_tail)
+        if why is None:
+            return ring_sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if ti.context_parallel_dispatch_enabled() or not replicated_fallback_enabled():
+            raise refuse_ring(q, k, v, why)  # context parallelism asked for (a gather would defeat it), or no gathers
+        warn_replicated_fallback("scaled_dot_product_attention", (q, k, v), f"ring attention cannot take {why}")
+    # any other layout (a sharded head_dim, mixed placements): gather to Replicate, attend locally
     replicated = [_replicate(t) for t in (q, k, v)]
     mask = _replicate(attn_mask) if isinstance(attn_mask, DTensorProxy) else attn_mask
     ti.check(

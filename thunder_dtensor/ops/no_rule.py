@@ -293,18 +293,26 @@ def call_or_rewrite(
             reasons.append(f"not run replicated: {first_line(e)}")
         raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection
     _record(name, "replicated fallback")
-    placements = _placements(args, kwargs)
-    if (name, placements) not in _WARNED:
-        _WARNED.add((name, placements))
-        why = distrust or f"DTensor has no sharding rule for {name} on these inputs"
-        warnings.warn(
-            f"{fallback.name}: inputs with placements {', '.join(map(str, placements))}: {why}, so it runs on "
-            f"replicated inputs (all-gathered on every rank): correct but slow. Redistribute the inputs to "
-            f"placements DTensor supports, or pass {FALLBACK_OPTION}=False to thunder.jit to raise instead.",
-            ReplicatedFallbackWarning,
-            stacklevel=2,
-        )
+    warn_replicated_fallback(fallback.name, _placements(args, kwargs), distrust or f"DTensor has no sharding rule for {name} on these inputs")
     return out
+
+
+def warn_replicated_fallback(op_name: str, inputs: tuple, why: str) -> None:
+    """:class:`ReplicatedFallbackWarning`, once per op and input placements: ``op_name`` runs gathered because ``why``.
+
+    ``inputs`` are the inputs (DTensors or proxies) or already their placements.
+    """
+    placements = tuple(getattr(x, "placements", x) for x in inputs)
+    if (op_name, placements) in _WARNED:
+        return
+    _WARNED.add((op_name, placements))
+    warnings.warn(
+        f"{op_name}: inputs with placements {', '.join(map(str, placements))}: {why}, so it runs on "
+        f"replicated inputs (all-gathered on every rank): correct but slow. Redistribute the inputs to "
+        f"placements DTensor supports, or pass {FALLBACK_OPTION}=False to thunder.jit to raise instead.",
+        ReplicatedFallbackWarning,
+        stacklevel=3,
+    )
 
 
 def _record(name: str, how: str) -> None:

@@ -18,6 +18,7 @@ _integration.consult_scoped_entries()  # lookasides and methods of the fixes, wh
 _integration.fix_complex_gradients()  # thunder 0.2.6's grad rules ignore complex conjugation (RoPE)
 _integration.call_custom_autograd_functions_with_builtin_apply()  # torch >= 2.14: autograd.Function.apply is C
 _integration.tolerate_sequences_that_cannot_be_iterated()  # a Sequence's own __init__ (transformers' configs)
+_integration.interpret_itertools_chain()  # torch's context_parallel chains SDPA's arguments
 _integration.replay_the_state_the_program_leaves()  # an attribute set, then reset (transformers' output collector)
 _integration.register_gradient_hooks_on_real_tensors()  # param.register_post_accumulate_grad_hook(...) in forward
 _integration.give_meta_tensors_a_stride()  # torch.empty(shape, device="meta").stride()

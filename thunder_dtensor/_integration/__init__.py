@@ -209,6 +209,7 @@ from thunder_dtensor._integration.fixes.thunder_fixes import (
     run_torch_custom_ops,
     scope_ambient_autocast_to_each_call,
     sdpa_backends_enabled_globally,
+    interpret_itertools_chain,
     tolerate_sequences_that_cannot_be_iterated,
 )
 from thunder_dtensor._integration.fsdp import (
@@ -474,6 +475,7 @@ __all__ += [
     "scope_ambient_autocast_to_each_call",
     "scope_sharding_rules_to_thunderfx_calls",
     "set_cotangent_proxy_factory",
+    "interpret_itertools_chain",
     "tolerate_sequences_that_cannot_be_iterated",
     "undo_all",
     "wrap_compiled_backwards",

@@ -305,10 +305,16 @@ def is_interpreter_exception(value: Any) -> bool:
 
 
 def add_prologue_constraint(check: Any, *args: Any) -> None:
-    """Make the prologue of the program being traced run ``check(*args)`` (a failing check: a cache miss)."""
+    """Make the prologue of the program being traced run ``check(*args)`` (a failing check: a cache miss).
+
+    Outside thunder's jit (thunderfx's splitter trying an op on its own) there is no prologue: nothing to do."""
     from thunder.core import jit_ext
 
-    jit_ext.get_jit_ctx().add_constraint((check, *args))
+    try:
+        ctx = jit_ext.get_jit_ctx()
+    except LookupError:
+        return
+    ctx.add_constraint((check, *args))
 
 
 def mark_recomputed_in_backward(proxy: Any) -> None:

@@ -1,8 +1,8 @@
 """Which programs are DTensor programs: the scope of everything this package changes in thunder.
 
 A program is a DTensor program when the call being compiled has a DTensor among its arguments, is a module
-with DTensor parameters or buffers (tensor parallelism, FSDP2), runs inside a thunderfx call that does, or
-traced a DTensor (its executors list then holds the dtensor executors). DTensor machinery and, by default,
+with DTensor parameters or buffers (tensor parallelism, FSDP2), is called inside torch's ``context_parallel``
+(its attention makes DTensors), runs inside a thunderfx call that does, or traced a DTensor (its executors list then holds the dtensor executors). DTensor machinery and, by default,
 the thunder fixes of :mod:`thunder_dtensor._integration.fixes` act within such programs only; every other
 program compiles as thunder alone compiles it.
 
@@ -115,6 +115,8 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
     a pipeline schedule's micro-batches straddle."""
     if not torch.distributed.is_available():
         return False
+    if _context_parallel_dispatch_enabled():  # inside torch's context_parallel: its attention makes DTensors
+        return True
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     if any(_is_dtensor(v) for v in leaves):
         return True
@@ -126,6 +128,12 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
 
         return any(isinstance(m, FSDPModule) for m in module.modules())
     return False
+
+
+def _context_parallel_dispatch_enabled() -> bool:
+    from thunder_dtensor._integration.context_parallel import context_parallel_dispatch_enabled
+
+    return context_parallel_dispatch_enabled()
 
 
 def holds_dtensors(values: tuple) -> bool:

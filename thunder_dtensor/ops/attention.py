@@ -226,14 +226,15 @@ def cpu_fused_attention_shardings(query, key, value, dropout_p=0.0, is_causal=Fa
     """DTensor's sharding choices for CPU's fused attention kernel, which DTensor has no rule for.
 
     What :func:`dtensor_scaled_dot_product_attention` does, said to DTensor: batch- or head-sharded q, k, v (and
-    output and logsumexp) attend on local shards; anything else is replicated first. Used only while dynamo
+    output and logsumexp) attend on local shards, sequence-sharded ones by ring attention (the output keeps q's
+    sequence shards); anything else is replicated first. Used only while dynamo
     traces a thunderfx program (``_integration.scope_sharding_rules_to_thunderfx_calls``), whose fake run of the
     attention needs an output spec; the program thunder builds runs the rule above.
     """
     replicate = ti.Replicate()
     choices = [([replicate, replicate], [replicate, replicate, replicate, None, None])]
     if attn_mask is None and dropout_p == 0.0:
-        for dim in (0, 1):
+        for dim in (0, 1, 2):  # batch, heads, and the sequence (ring attention: q's sequence shards stay)
             shard = ti.Shard(dim)
             choices.append(([shard, shard], [shard, shard, shard, None, None]))
     return choices

@@ -432,6 +432,29 @@ def tolerate_sequences_that_cannot_be_iterated() -> None:
     patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects)
 
 
+def _chain(*iterables: Any) -> Iterator[Any]:
+    for iterable in iterables:
+        yield from iterable
+
+
+@installer("thunder-fix", "itertools.chain over tensors is interpreted, not an opaque call thunder cannot name")
+def interpret_itertools_chain() -> None:
+    """thunder's interpreter treats ``itertools.chain(...)`` over tensors as an opaque torch call and fails to
+    name it (``KeyError: None``: ``chain.__new__`` has no module). torch's ``context_parallel`` wraps
+    ``F.scaled_dot_product_attention`` with code that chains the call's arguments. The chain is interpreted
+    as the generator it is."""
+    import itertools
+
+    from thunder.core import interpreter, jit_ext
+
+    assert itertools.chain not in jit_ext._general_jit_lookaside_map, "thunder has a lookaside for itertools.chain"
+
+    def chain(*iterables: Any) -> Any:
+        return interpreter._interpret_call(_chain, *iterables)
+
+    add_scoped_lookaside("interpret_itertools_chain", itertools.chain, chain)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Attribute writes on a captured object that thunder recorded only in part
 # ---------------------------------------------------------------------------------------------------------

@@ -36,17 +36,6 @@ def test_fused_sdpa_on_cpu_mesh_where_eager_fails(placements):
         assert result.thunder_out[0].placements == tuple(placements)  # attention ran on the local shards
 
 
-def test_sequence_sharded_sdpa_gathers_first():
-    q, k, v = (make_full((2, 4, 6, 8), seed=s) for s in (1, 2, 3))
-    result = run_case(
-        DTensorCase(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [q, k, v], [[Shard(2)]] * 3),
-        compare_eager=False,
-    )
-    assert "dtensor_redistribute_prim" in str(thunder.last_traces(result.jitted)[0])
-    # lowered: the sequence dim gathered, explicitly
-    assert "all_gather_into_tensor(" in str(thunder.last_traces(result.jitted)[-1])
-
-
 @pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Replicate()]], ids=str)
 @pytest.mark.parametrize("split", ["chunk", "split"])
 def test_chunk_and_split_backward_where_eager_fails(placements, split):

@@ -172,6 +172,7 @@ from thunder_dtensor._integration.compile_pipeline import (
     make_fx,
     mesh_group_names,
     no_ambient_autocast,
+    nodes_traced_so_far,
     torch_tree_map,
     trace_aten_graph,
 )
@@ -400,6 +401,7 @@ __all__ += [
     "may_return_views",
     "mesh_group_names",
     "no_ambient_autocast",
+    "nodes_traced_so_far",
     "note_dtensor_op_traced",
     "outside_tracing_modes",
     "recording_aten_calls",

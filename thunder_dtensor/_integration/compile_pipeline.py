@@ -140,6 +140,16 @@ def trace_aten_graph(fn: Callable[..., list], inputs: list[tuple]) -> torch.fx.G
     return make_fx(fn, tracing_mode="fake")(*examples).graph
 
 
+def nodes_traced_so_far() -> frozenset | None:
+    """The nodes of the graph :func:`trace_aten_graph` is recording (its own recorder's, or ``make_fx``'s), now."""
+    if _RECORDERS and _RECORDERS[-1].stopped is None:
+        return frozenset(_RECORDERS[-1].graph.nodes)
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return None if mode is None else frozenset(mode.tracer.graph.nodes)
+
+
 def _empty_tensors(inputs: list[tuple]) -> list[torch.Tensor]:
     return [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in inputs]
 

@@ -25,6 +25,7 @@ class Traced:
     graph: Any  # torch.fx.Graph
     n_forward: int  # the first outputs are the forward's, the rest gradients (None where undefined)
     specs: list  # output specs (None for plain tensors and undefined gradients)
+    forward: frozenset | None = None  # a joint's nodes once its forward had run (None: not recorded)
 
 
 def has_mutation(graph: Any) -> bool:
@@ -186,20 +187,21 @@ def ancestors(nodes: list) -> set:
     return seen
 
 
-def unused_collectives(graph: Any, cotangents: list) -> tuple[list, list]:
+def unused_collectives(traced: Traced) -> tuple[list, list]:
     """Collectives (and their waits) whose results reach no output: (those of the forward, those of the backward).
 
     Every rank still issues them: the other ranks receive what this one sends (a ring step whose chunk this
-    rank does not attend). One that reads a cotangent belongs to the backward.
+    rank does not attend), so each goes where the same collective goes on a rank that reads it: the forward's
+    are those traced while the forward ran (a joint records them; a forward alone has no backward).
     """
+    graph = traced.graph
     used = ancestors(output_nodes(graph))
     unused = [
-        n
-        for n in graph.nodes
-        if n.op == "call_function" and ti.is_functional_collective(n.target) and n not in used
+        n for n in graph.nodes if n.op == "call_function" and ti.is_functional_collective(n.target) and n not in used
     ]
-    backward = {n for n in unused if ancestors([n]) & set(cotangents)}
-    return [n for n in unused if n not in backward], [n for n in unused if n in backward]
+    if traced.forward is None:
+        return unused, []
+    return [n for n in unused if n in traced.forward], [n for n in unused if n not in traced.forward]
 
 
 def match_forward(first: Traced, again: Traced, env: dict) -> dict | None:

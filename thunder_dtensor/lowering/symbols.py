@@ -165,6 +165,20 @@ wrap_dtensor = _boundary_symbol("wrap_dtensor", _wrap, _wrap_meta)
 local_contiguous = _boundary_symbol("local_contiguous", _contiguous, _contiguous_meta)
 
 
+def _after(value: torch.Tensor, *issued: Any) -> torch.Tensor:
+    return value
+
+
+def _after_meta(value: ti.TensorProxy, *issued: Any) -> ti.TensorProxy:
+    return ti.TensorProxy(like=value)
+
+
+#: ``value``, once the collectives whose results are ``issued`` have run: a collective no forward output reads
+#: (a ring step whose chunk this rank does not attend; other ranks receive what it sends) stays in the forward,
+#: where the same collective is on a rank that reads it (thunder's split would otherwise move it to the backward)
+issued_before = _boundary_symbol("issued_before", _after, _after_meta)
+
+
 def output_proxies(trace: ti.TraceCtx, val: Any) -> Any:
     def proxy(v: Any) -> Any:
         if isinstance(v, torch.Tensor):

@@ -9,8 +9,9 @@ the collectives its redistribution planner issues. A generic vjp's pair is trace
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
@@ -76,11 +77,13 @@ def _trace_or_reason(fn: Callable, inputs: list[LocalInput]) -> Traced | NotLowe
 def _trace_uncached(fn: Callable, inputs: list[LocalInput]) -> Traced:
     specs: list = []
     n_forward: list[int] = []
+    forward: list[frozenset | None] = [None]
 
     def traced(*locals_: torch.Tensor) -> list:
-        outs, out_specs, count = fn(*locals_)
+        outs, out_specs, count, *forward_nodes = fn(*locals_)
         specs[:] = out_specs  # (a second run, when the recorder hands the trace to make_fx, replaces the first)
         n_forward[:] = [count]
+        forward[:] = forward_nodes or [None]
         return outs
 
     try:
@@ -94,7 +97,7 @@ def _trace_uncached(fn: Callable, inputs: list[LocalInput]) -> Traced:
         raise
     except Exception as e:
         raise NotLowerable(f"DTensor's dispatch could not be traced ({type(e).__name__}: {str(e)[:120]})") from e
-    result = Traced(graph, n_forward[0], specs)
+    result = Traced(graph, n_forward[0], specs, forward[0])
     check_graph(result.graph)
     return result
 
@@ -116,7 +119,14 @@ def trace_joint(
         values = values_of(flat, infos, ins)
         cotangents = {i: value_of(info, cot) for i, info, cot in zip(cot_positions, cot_infos, cots)}
         runtime_fn = cast(Callable, PRIMS[name].runtime_fn)  # (a traced prim has one)
-        outs, grads = forward_and_gradients(runtime_fn, values, tree, diff_indices, cotangents)
+        forward_nodes: list = [None]
+
+        @contextlib.contextmanager
+        def noting_the_forward() -> Iterator[None]:
+            yield
+            forward_nodes[0] = ti.nodes_traced_so_far()
+
+        outs, grads = forward_and_gradients(runtime_fn, values, tree, diff_indices, cotangents, noting_the_forward())
         fwd_locals, fwd_specs = unwrapped_outputs(outs)
         grad_locals: list[torch.Tensor | None] = []
         grad_specs: list[Any] = []
@@ -124,7 +134,7 @@ def trace_joint(
             grad_local, spec = (None, None) if g is None else (lambda r: (r[0][0], r[1][0]))(unwrapped_outputs(g))
             grad_locals.append(grad_local)
             grad_specs.append(spec)
-        return fwd_locals + grad_locals, fwd_specs + grad_specs, len(fwd_locals)
+        return fwd_locals + grad_locals, fwd_specs + grad_specs, len(fwd_locals), forward_nodes[0]
 
     key = graph_key("joint", name, flat, tree, infos, (tuple(cot_infos), diff_indices))
     return trace_op(key, joint, [i for _, i in infos] + cot_infos)

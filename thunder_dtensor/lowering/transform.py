@@ -25,6 +25,7 @@ from thunder_dtensor.lowering.graph import (
 from thunder_dtensor.lowering.program import claimed, flatten_dtensor_composites, pair_vjps, place_waits_late
 from thunder_dtensor.lowering.symbols import (
     collective_symbol,
+    issued_before,
     local_contiguous,
     local_op_symbol,
     output_proxies,
@@ -239,7 +240,7 @@ class _Lowering:
         proxies, _, _ = self._inputs(flat)
         env = dict(zip(placeholder_nodes(traced.graph), proxies))
         out_nodes = output_nodes(traced.graph)
-        self._emit(traced.graph, ancestors(out_nodes + unused_collectives(traced.graph, [])[0]), env, bsym)
+        self._emit(traced.graph, ancestors(out_nodes + unused_collectives(traced)[0]), env, bsym)
         self._bind_outputs(outputs, [env[n] for n in out_nodes], traced.specs)
 
     def _infos(self, flat: list) -> list[tuple[int, LocalInput]]:
@@ -275,10 +276,18 @@ class _Lowering:
         placeholders = placeholder_nodes(first.graph)
         env = dict(zip(placeholders, proxies))
         out_nodes = output_nodes(first.graph)
-        unused_forward, _ = unused_collectives(first.graph, placeholders[len(infos) :])
+        unused_forward, _ = unused_collectives(first)
         forward_nodes = ancestors(out_nodes[:n] + unused_forward)
         self._emit(first.graph, forward_nodes, env, fwd)
-        self._bind_outputs(outputs, [env[node] for node in out_nodes[:n]], first.specs[:n])
+        values = [env[node] for node in out_nodes[:n]]
+        if unused_forward and values:  # the forward's first output comes after them: they stay in the forward
+            issued = [env[node] for node in unused_forward if node.target is torch.ops._c10d_functional.wait_tensor.default]
+            with ti.tracectx(self.trace):
+                after = ti.TensorProxy(like=values[0], requires_grad=False)
+            self.bsyms.append(issued_before.bind(values[0], *issued, output=after))
+            self.fake[after.name] = self.fake[values[0].name]
+            values[0] = after
+        self._bind_outputs(outputs, values, first.specs[:n])
         grad_outputs = list(vjp.output)
 
         def emit_backward() -> None:
@@ -295,8 +304,8 @@ class _Lowering:
             for node, c in zip(placeholders[len(infos) :], [cotangents[i] for i in cot_positions]):
                 graph_env[node] = self.local_of(c) if isinstance(c, DTensorProxy) else self.plain_in(c)[0]
             nodes = output_nodes(traced.graph)
-            _, unused_backward = unused_collectives(traced.graph, placeholders[len(infos) :])
-            needed = ancestors(nodes[traced.n_forward :] + unused_backward) - fwd_nodes
+            unused_forward, unused_backward = unused_collectives(traced)
+            needed = ancestors(nodes[traced.n_forward :] + unused_backward + unused_forward) - fwd_nodes
             self._emit(traced.graph, needed, graph_env, vjp)
             grads = [None if node is None else graph_env[node] for node in nodes[traced.n_forward :]]
             if any(g is None and p is not None for g, p in zip(grads, grad_outputs)):

@@ -179,8 +179,10 @@ def dtensor_scaled_dot_product_attention(
         why = why_not_ring(q, k, v, attn_mask, dropout_p, is_causal, head_tail)
         if why is None:
             return ring_sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        if ti.context_parallel_dispatch_enabled() or not replicated_fallback_enabled():
-            raise refuse_ring(q, k, v, why)  # context parallelism asked for (a gather would defeat it), or no gathers
+        if "different meshes" in why or ti.context_parallel_dispatch_enabled() or not replicated_fallback_enabled():
+            # (eager DTensor refuses operands on different meshes; context parallelism asked for: a gather would
+            # defeat it; or the replicated fallback is off)
+            raise refuse_ring(q, k, v, why)
         warn_replicated_fallback("scaled_dot_product_attention", (q, k, v), f"ring attention cannot take {why}")
     # any other layout (a sharded head_dim, mixed placements): gather to Replicate, attend locally
     replicated = [_replicate(t) for t in (q, k, v)]

@@ -276,7 +276,7 @@ def why_not_ring(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: Any, is_caus
     if not all(isinstance(t, DTensorProxy) for t in (q, k, v)):
         return "q, k and v are not all DTensors"
     if not (q.device_mesh == k.device_mesh == v.device_mesh):
-        return "q, k and v are on different meshes (one cp mesh is needed)"
+        return "q, k and v on different meshes (one cp mesh for all three)"
     if not (q.placements == k.placements == v.placements):
         return "q, k and v have different placements (shard all three alike along the sequence)"
     if q.ndim != k.ndim or q.ndim < 3:

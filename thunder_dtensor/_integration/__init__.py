@@ -177,6 +177,9 @@ from thunder_dtensor._integration.compile_pipeline import (
     trace_aten_graph,
 )
 from thunder_dtensor._integration.context_parallel import (
+    all_gather_dim0,
+    all_to_all,
+    reduce_scatter_sum_dim0,
     context_parallel_dispatch_enabled,
     head_tail_layout,
     load_balancer_applies,
@@ -340,7 +343,10 @@ __all__ = [
 #: small functions over thunder's and torch's private layouts: what the package calls instead of them
 __all__ += [
     "accept_dtensor_proxies",
+    "all_gather_dim0",
+    "all_to_all",
     "context_parallel_dispatch_enabled",
+    "reduce_scatter_sum_dim0",
     "head_tail_layout",
     "load_balancer_applies",
     "rotate_method",

@@ -50,6 +50,37 @@ def load_balancer_applies(seq_length: int, world_size: int) -> bool:
     return bool(attention._cp_options.enable_load_balance) and seq_length % (2 * world_size) == 0
 
 
+# --- torch's functional collectives, by group name (names and signatures differ across torch releases) ---------
+def _funcol() -> Any:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    funcol = _funcol()
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t  # (traced: already waited)
+
+
+def all_gather_dim0(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Every rank's ``t``, concatenated along dim 0 (``all_gather_single``; ``all_gather_tensor`` before 2.13)."""
+    funcol = _funcol()
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return _waited(gather(t, 0, group_name))
+
+
+def reduce_scatter_sum_dim0(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """This rank's chunk (dim 0) of the sum of every rank's ``t``."""
+    funcol = _funcol()
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return _waited(scatter(t, "sum", 0, group_name))
+
+
+def all_to_all(t: torch.Tensor, receives: list[int], sends: list[int], group_name: str) -> torch.Tensor:
+    """``t`` split by ``sends`` to each rank; what each rank sends here, ``receives`` elements from each."""
+    return _waited(_funcol().all_to_all_single(t, receives, sends, group_name))
+
+
 def templated_ring_attention(group: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
     """torch's own ring attention on local shards (the CPU flash kernel), the benchmark's hand-written limit."""
     attention = _attention_module()

@@ -29,10 +29,9 @@ from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.guards import define_prologue_check
 from thunder_dtensor.primitive import define_dtensor_prim
 from thunder_dtensor.proxy import DTensorProxy
-from thunder_dtensor.spec import contiguous_stride
+from thunder_dtensor.spec import dense_stride_like
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 _HINT_MASK = (
     "ring attention takes causal masks only (is_causal=True); for another mask, redistribute q, k and v to "
@@ -106,24 +105,19 @@ def _unflatten(flat: torch.Tensor, like: tuple[torch.Tensor, ...]) -> tuple[torc
     return tuple(p.view(t.shape) for p, t in zip(pieces, like))
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    """The collective's result (traced, a functional collective has already waited)."""
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
 def _next_rank(plan: RingPlan, t: torch.Tensor) -> torch.Tensor:
     """``t`` sent to the next rank of the ring; what the previous rank sent comes back."""
     # torch's permute_tensor as its all-to-all: everything to rank + 1, everything from rank - 1
     sends, receives = [0] * plan.size, [0] * plan.size
     sends[(plan.rank + 1) % plan.size] = receives[(plan.rank - 1) % plan.size] = t.numel()
-    return _wait(funcol.all_to_all_single(t, receives, sends, plan.group_name))
+    return ti.all_to_all(t, receives, sends, plan.group_name)
 
 
 def _chunks(plan: RingPlan, tensors: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
     """Step i's chunks: those of rank ``rank - i``, by one all-gather or one all-to-all per step."""
     flat = _flatten(tensors)
     if plan.rotate == "allgather":
-        gathered = _wait(funcol.all_gather_single(flat, 0, plan.group_name)).chunk(plan.size)
+        gathered = ti.all_gather_dim0(flat, plan.group_name).chunk(plan.size)
         for i in range(plan.size):
             yield _unflatten(gathered[(plan.rank - i) % plan.size], tensors)
         return
@@ -163,7 +157,12 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
             k_i, v_i = k_i[..., :half, :], v_i[..., :half, :]
         out, lse = _merge(out, lse, *_attend(q, k_i, v_i, step == "causal", plan.scale))
     assert out is not None and lse is not None  # step 0 always attends
-    return out.to(q.dtype).contiguous(), lse
+    # the fused kernels' output layout (heads inside the sequence), which dynamo's fake runs predict for SDPA
+    return _kernel_layout(out.to(q.dtype)), lse
+
+
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-3, -2).contiguous().transpose(-3, -2) if t.ndim >= 4 else t.contiguous()
 
 
 def ring_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: RingPlan) -> tuple:
@@ -202,7 +201,7 @@ def _return_to_owners(plan: RingPlan, per_chunk: list[tuple[torch.Tensor, torch.
     if plan.rotate == "allgather":  # step i's chunk is rank (rank - i)'s: lay them out by owner, reduce-scatter
         by_owner = [per_chunk[(plan.rank - owner) % plan.size] for owner in range(plan.size)]
         flat = torch.cat([_flatten(pair) for pair in by_owner])
-        mine = _wait(funcol.reduce_scatter_single(flat, "sum", 0, plan.group_name))
+        mine = ti.reduce_scatter_sum_dim0(flat, plan.group_name)
         return _unflatten(mine, like)
     travelling = _flatten(per_chunk[0])  # each chunk's sum travels with it, one step behind the chunk itself
     for pair in per_chunk[1:]:
@@ -254,7 +253,7 @@ def _ring_sdpa(
     out = _RingAttention.apply(q_local, k_local, v_local, plan)
     shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     return ti.DTensor.from_local(
-        out, mesh, q.placements, run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
+        out, mesh, q.placements, run_check=False, shape=torch.Size(shape), stride=dense_stride_like(shape, out.stride())
     )
 
 

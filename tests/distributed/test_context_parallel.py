@@ -58,7 +58,7 @@ def _attention(causal: bool):
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-# --- ring attention on sequence-sharded DTensors ---------------------------------------------------------------------
+# --- ring attention on sequence-sharded DTensors ----------------------------------------------------------------
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("rotate", list(ROTATIONS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -132,7 +132,7 @@ def test_attention_ring_cannot_take_is_gathered_with_a_warning():
         run_case(case, compare_eager=False)
 
 
-# --- torch's context_parallel API --------------------------------------------------------------------------------------
+# --- torch's context_parallel API -------------------------------------------------------------------------------
 class CausalAttention(nn.Module):
     def __init__(self, dim: int = 16, heads: int = 4) -> None:
         super().__init__()
@@ -209,7 +209,9 @@ def test_context_parallel_refuses_what_the_ring_cannot_take():
 
     x = torch.randn(2, 16, 16)
     with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
-        with pytest.raises(DTensorOpError, match=r"(?s)ring attention.*attn_mask.*Shard\(dim=2\).*hint: ring attention"):
+        with pytest.raises(
+            DTensorOpError, match=r"(?s)ring attention.*attn_mask.*Shard\(dim=2\).*hint: ring attention"
+        ):
             thunder.jit(masked)(x)
 
 
@@ -238,11 +240,14 @@ def test_q_and_kv_on_different_cp_meshes_are_refused():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     q = distribute_tensor(make_full((1, 2, 8, 8), seed=1), mesh["a"], [Shard(2)])
     k, v = (distribute_tensor(make_full((1, 2, 8, 8), seed=s), mesh["b"], [Shard(2)]) for s in (2, 3))
-    with pytest.raises(DTensorOpError, match=r"(?s)ring attention.*different meshes.*hint: the inputs live on 2 different device meshes"):
+    with pytest.raises(
+        DTensorOpError,
+        match=r"(?s)ring attention.*different meshes.*hint: the inputs live on 2 different device meshes",
+    ):
         thunder.jit(_attention(False))(q, k, v)
 
 
-# --- models ------------------------------------------------------------------------------------------------------------
+# --- models -----------------------------------------------------------------------------------------------------
 def _llama_steps(model, ref, cfg, compiler, cp_mesh, *, steps: int = 3, cp_group=None) -> None:
     compiled = COMPILERS[compiler](model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
@@ -260,7 +265,7 @@ def _llama_steps(model, ref, cfg, compiler, cp_mesh, *, steps: int = 3, cp_group
         dist.all_reduce(total, group=cp_group)
         torch.testing.assert_close(total / dist.get_world_size(cp_group), expected.detach(), **PARITY_TOL)
         for got, (name, r) in zip(_cp_mean_grads(model, cp_group), ref.named_parameters()):
-            torch.testing.assert_close(got, r.grad, **PARITY_TOL, msg=lambda m, n=name: f"step {step}: {n}: {m}")
+            torch.testing.assert_close(got, r.grad, **PARITY_TOL, msg=lambda m, n=name, i=step: f"step {i}: {n}: {m}")
         for p in model.parameters():  # every cp rank steps with the whole gradient, as FSDP over cp would give
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             dist.all_reduce(local, group=cp_group)

@@ -20,6 +20,7 @@ FAILING_WITHOUT = {
         "Unknown attribute register_post_accumulate_grad_hook",
     ),
     "tolerate_sequences_that_cannot_be_iterated": (reproducers._make_a_sequence, "object has no attribute '_count'"),
+    "interpret_itertools_chain": (reproducers._chain_arguments, "KeyError: None"),
     "replay_the_state_the_program_leaves": (reproducers._set_then_reset, "trying to set .collected"),
     "run_torch_custom_ops": (reproducers._call_a_custom_op, "scaled_rows is not registered"),
 }

@@ -1,6 +1,7 @@
 """Plain-thunder fixes that model libraries need (transformers 5.x): each program fails on thunder 0.2.6 as
 docs/architecture.md says (checked with the fixes switched off) and runs with eager's values with them on."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -32,6 +33,12 @@ class _Layers(Sequence):
 
 def _make_a_sequence(x: torch.Tensor) -> torch.Tensor:
     return x * len(_Layers(3)) + sum(_Layers(3))
+
+
+def _chain_arguments(x: torch.Tensor) -> torch.Tensor:
+    """What torch's ``context_parallel`` SDPA wrapper does with its arguments."""
+    first, second = itertools.chain((x,), {"k": x * 2}.values())
+    return first + second
 
 
 class _Collector:
@@ -230,6 +237,11 @@ def test_a_sequence_built_in_the_program():
     torch.testing.assert_close(thunder.jit(_make_a_sequence)(x), _make_a_sequence(x))
 
 
+def test_itertools_chain_over_tensors():
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(thunder.jit(_chain_arguments)(x), _chain_arguments(x))
+
+
 def test_an_attribute_set_then_reset_stays_reset():
     x = torch.randn(2, 3)
     jitted = thunder.jit(_set_then_reset)
@@ -283,7 +295,7 @@ import test_thunder_fixes_for_models as t
 errors = {{}}
 for name in (
     "_make_a_sequence", "_set_then_reset", "_meta_stride", "_register_a_hook", "_named_parameters",
-    "_swap_a_parameter_and_restore_it", "_custom_function_given_an_object", "_call_a_custom_op",
+    "_swap_a_parameter_and_restore_it", "_custom_function_given_an_object", "_call_a_custom_op", "_chain_arguments",
 ):
     try:
         thunder.jit(getattr(t, name))(torch.randn(4, 3))
@@ -315,6 +327,7 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
     assert "object has no attribute '_count'" in errors["_make_a_sequence"]
+    assert "KeyError: None" in errors["_chain_arguments"]
     assert "trying to set .collected" in errors["_set_then_reset"]
     assert "Unknown attribute stride" in errors["_meta_stride"]
     assert "Unknown attribute register_post_accumulate_grad_hook" in errors["_register_a_hook"]

@@ -179,10 +179,10 @@ from thunder_dtensor._integration.compile_pipeline import (
 from thunder_dtensor._integration.context_parallel import (
     all_gather_dim0,
     all_to_all,
-    reduce_scatter_sum_dim0,
     context_parallel_dispatch_enabled,
     head_tail_layout,
     load_balancer_applies,
+    reduce_scatter_sum_dim0,
     rotate_method,
     templated_ring_attention,
 )
@@ -203,6 +203,7 @@ from thunder_dtensor._integration.fixes.thunder_fixes import (
     fused_sdp_choice,
     give_meta_tensors_a_stride,
     install_sdpa_kernel_support,
+    interpret_itertools_chain,
     is_sdpa_kernel_fx_target,
     keep_complex_tensors_out_of_torch_compile_regions,
     keep_named_members_in_order,
@@ -213,7 +214,6 @@ from thunder_dtensor._integration.fixes.thunder_fixes import (
     run_torch_custom_ops,
     scope_ambient_autocast_to_each_call,
     sdpa_backends_enabled_globally,
-    interpret_itertools_chain,
     tolerate_sequences_that_cannot_be_iterated,
 )
 from thunder_dtensor._integration.fsdp import (

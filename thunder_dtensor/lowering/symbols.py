@@ -103,7 +103,9 @@ def collective_symbol(overload: Any) -> ti.Symbol:
     """The trace symbol of one ``_c10d_functional`` op; ``mesh_dim`` is printed, not passed on."""
     name = symbol_name(overload).removeprefix("_c10d_functional_")
     # never dead code: another rank may be receiving what this one sends, even where no result here is read
-    sym = ti.make_prim(f"thunder_dtensor.comm.{name}", name, meta=_meta_by_fake_run(overload), tags=(ti.OpTags.DONT_DCE,))
+    sym = ti.make_prim(
+        f"thunder_dtensor.comm.{name}", name, meta=_meta_by_fake_run(overload), tags=(ti.OpTags.DONT_DCE,)
+    )
     collective = ti.below_autograd(overload)
 
     def run(*args: Any, mesh_dim: int | None = None, **kwargs: Any) -> Any:

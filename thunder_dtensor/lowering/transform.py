@@ -281,7 +281,9 @@ class _Lowering:
         self._emit(first.graph, forward_nodes, env, fwd)
         values = [env[node] for node in out_nodes[:n]]
         if unused_forward and values:  # the forward's first output comes after them: they stay in the forward
-            issued = [env[node] for node in unused_forward if node.target is torch.ops._c10d_functional.wait_tensor.default]
+            issued = [
+                env[node] for node in unused_forward if node.target is torch.ops._c10d_functional.wait_tensor.default
+            ]
             with ti.tracectx(self.trace):
                 after = ti.TensorProxy(like=values[0], requires_grad=False)
             self.bsyms.append(issued_before.bind(values[0], *issued, output=after))

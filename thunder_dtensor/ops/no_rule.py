@@ -293,7 +293,9 @@ def call_or_rewrite(
             reasons.append(f"not run replicated: {first_line(e)}")
         raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection
     _record(name, "replicated fallback")
-    warn_replicated_fallback(fallback.name, _placements(args, kwargs), distrust or f"DTensor has no sharding rule for {name} on these inputs")
+    warn_replicated_fallback(
+        fallback.name, _placements(args, kwargs), distrust or f"DTensor has no sharding rule for {name} on these inputs"
+    )
     return out
 
 

@@ -146,11 +146,12 @@ def _merge_tail(out: torch.Tensor, lse: torch.Tensor, new_out: torch.Tensor, new
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> tuple:
     """This rank's attention output (q's dtype) and log-sum-exp over every rank's k / v."""
     half = q.shape[-2] // 2
-    out = lse = None
+    out: Any = None
+    lse: Any = None
     for step, (k_i, v_i) in zip(plan.steps(), _chunks(plan, (k, v))):
         if step == "skip":
             continue
-        if step == "q_tail":
+        if step == "q_tail":  # (after step 0, which attends: out and lse are set)
             out, lse = _merge_tail(out, lse, *_attend(q[..., half:, :], k_i, v_i, False, plan.scale))
             continue
         if step == "kv_head":
@@ -166,47 +167,46 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def ring_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: RingPlan) -> tuple:
-    """(dq, dk, dv) of :func:`ring_forward`; dk / dv summed over every rank's q and returned to their owners."""
+    """(dq, dk, dv) of :func:`ring_forward`; dk / dv summed over every rank's q and returned to their owners.
+
+    All-to-all: each chunk's gradient travels with it, one step behind, so one chunk's is held at a time;
+    all-gather: the gradients of every chunk go back in one reduce-scatter.
+    """
     half = q.shape[-2] // 2
     accumulate = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=accumulate, device=q.device)
-    per_chunk = []  # (dk, dv) of each step's chunk, from this rank's q
+    owed: list[torch.Tensor] = []  # (all-gather) each step's chunk gradient, flat
+    travelling = None  # (all-to-all) the gradient of the chunk now here, summed over the ranks it has visited
     for step, (k_i, v_i) in zip(plan.steps(), _chunks(plan, (k, v))):
-        dk_i = torch.zeros(k_i.shape, dtype=accumulate, device=q.device)
-        dv_i = torch.zeros(v_i.shape, dtype=accumulate, device=q.device)
-        if step == "q_tail":
-            dq_t, dk_t, dv_t = _attend_backward(
+        if step == "skip":
+            dk_i, dv_i = (torch.zeros(t.shape, dtype=accumulate, device=q.device) for t in (k_i, v_i))
+        elif step == "q_tail":  # q's second half attended the whole chunk
+            dq_t, dk_i, dv_i = _attend_backward(
                 dout[..., half:, :], q[..., half:, :], k_i, v_i, out[..., half:, :], lse[..., half:], False, plan.scale
             )
             dq = torch.cat([dq[..., :half, :], dq[..., half:, :] + dq_t], dim=-2)
-            dk_i, dv_i = dk_i + dk_t, dv_i + dv_t
-        elif step == "kv_head":
+        elif step == "kv_head":  # all of q attended the chunk's first half
             dq_t, dk_t, dv_t = _attend_backward(
                 dout, q, k_i[..., :half, :], v_i[..., :half, :], out, lse, False, plan.scale
             )
             dq = dq + dq_t
-            dk_i = torch.cat([dk_i[..., :half, :] + dk_t, dk_i[..., half:, :]], dim=-2)
-            dv_i = torch.cat([dv_i[..., :half, :] + dv_t, dv_i[..., half:, :]], dim=-2)
-        elif step != "skip":
-            dq_t, dk_t, dv_t = _attend_backward(dout, q, k_i, v_i, out, lse, step == "causal", plan.scale)
-            dq, dk_i, dv_i = dq + dq_t, dk_i + dk_t, dv_i + dv_t
-        per_chunk.append((dk_i, dv_i))
-    dk, dv = _return_to_owners(plan, per_chunk)
+            dk_i, dv_i = (torch.cat([g, torch.zeros_like(g)], dim=-2) for g in (dk_t, dv_t))
+        else:
+            dq_t, dk_i, dv_i = _attend_backward(dout, q, k_i, v_i, out, lse, step == "causal", plan.scale)
+            dq = dq + dq_t
+        flat = _flatten((dk_i.to(accumulate), dv_i.to(accumulate)))
+        if plan.rotate == "allgather":
+            owed.append(flat)
+        else:
+            travelling = flat if travelling is None else _next_rank(plan, travelling) + flat
+    like = (k.to(accumulate), v.to(accumulate))
+    if plan.rotate == "allgather":  # step i's chunk is rank (rank - i)'s: laid out by owner, reduce-scattered
+        by_owner = torch.cat([owed[(plan.rank - owner) % plan.size] for owner in range(plan.size)])
+        dk, dv = _unflatten(ti.reduce_scatter_sum_dim0(by_owner, plan.group_name), like)
+    else:
+        assert travelling is not None
+        dk, dv = _unflatten(_next_rank(plan, travelling), like)  # the last chunk here was rank + 1's
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _return_to_owners(plan: RingPlan, per_chunk: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
-    """Every rank's gradient of this rank's k / v chunk, summed here."""
-    like = per_chunk[0]
-    if plan.rotate == "allgather":  # step i's chunk is rank (rank - i)'s: lay them out by owner, reduce-scatter
-        by_owner = [per_chunk[(plan.rank - owner) % plan.size] for owner in range(plan.size)]
-        flat = torch.cat([_flatten(pair) for pair in by_owner])
-        mine = ti.reduce_scatter_sum_dim0(flat, plan.group_name)
-        return _unflatten(mine, like)
-    travelling = _flatten(per_chunk[0])  # each chunk's sum travels with it, one step behind the chunk itself
-    for pair in per_chunk[1:]:
-        travelling = _next_rank(plan, travelling) + _flatten(pair)
-    return _unflatten(_next_rank(plan, travelling), like)  # the last chunk was rank + 1's
 
 
 class _RingAttention(torch.autograd.Function):
@@ -266,7 +266,9 @@ def sequence_mesh_dims(t: Any) -> list[int]:
     return [i for i, p in enumerate(t.placements) if isinstance(p, ti.Shard) and p.dim % t.ndim == t.ndim - 2]
 
 
-def why_not_ring(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: Any, is_causal: bool, head_tail: bool) -> str | None:
+def why_not_ring(
+    q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: Any, is_causal: bool, head_tail: bool
+) -> str | None:
     """Why ring attention cannot run this sequence-sharded call (None: it can)."""
     if attn_mask is not None:
         return "an attn_mask (ring attention takes is_causal=True, no mask)"
@@ -283,7 +285,9 @@ def why_not_ring(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: Any, is_caus
     seq_dims = sequence_mesh_dims(q)
     if len(seq_dims) != 1:
         return "the sequence is sharded over more than one mesh dim"
-    if any(isinstance(p, ti.Partial) or (isinstance(p, ti.Shard) and p.dim % q.ndim == q.ndim - 1) for p in q.placements):
+    if any(
+        isinstance(p, ti.Partial) or (isinstance(p, ti.Shard) and p.dim % q.ndim == q.ndim - 1) for p in q.placements
+    ):
         return "a partial or head_dim-sharded input"
     ranks = q.device_mesh.size(seq_dims[0])
     if is_causal and q.shape[-2] != k.shape[-2]:
@@ -299,7 +303,9 @@ def why_not_ring(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: Any, is_caus
     return None
 
 
-def ring_sdpa(q: DTensorProxy, k: DTensorProxy, v: DTensorProxy, *, is_causal: bool, scale: Any, enable_gqa: bool) -> Any:
+def ring_sdpa(
+    q: DTensorProxy, k: DTensorProxy, v: DTensorProxy, *, is_causal: bool, scale: Any, enable_gqa: bool
+) -> Any:
     """Ring attention over q's sequence-sharding mesh dim, in the layout and rotation torch's state says."""
     head_tail = bool(is_causal) and ti.head_tail_layout()
     rotate = ti.rotate_method()
@@ -318,11 +324,15 @@ def ring_sdpa(q: DTensorProxy, k: DTensorProxy, v: DTensorProxy, *, is_causal: b
 
 
 def refuse_ring(q: Any, k: Any, v: Any, why: str) -> DTensorOpError:
-    hint = _HINT_MASK if why.startswith("an attn_mask") else (
-        "inside context_parallel, pass sequences whose length divides into 2 x cp chunks, or turn the load "
-        "balancer off (_cp_options.enable_load_balance = False)"
-        if "load balancer" in why
-        else "shard q, k and v alike along the sequence on one mesh dim, or redistribute them to Replicate"
+    hint = (
+        _HINT_MASK
+        if why.startswith("an attn_mask")
+        else (
+            "inside context_parallel, pass sequences whose length divides into 2 x cp chunks, or turn the load "
+            "balancer off (_cp_options.enable_load_balance = False)"
+            if "load balancer" in why
+            else "shard q, k and v alike along the sequence on one mesh dim, or redistribute them to Replicate"
+        )
     )
     return DTensorOpError("scaled_dot_product_attention (ring attention)", (q, k, v), {}, f"cannot take {why}", hint)
 

@@ -94,6 +94,19 @@ def test_ring_placements_are_eagers_on_cpu():
     torch.testing.assert_close(ours.to_local(), eager.to_local(), **PARITY_TOL)
 
 
+def test_ring_with_grouped_query_heads():
+    """``enable_gqa``: two k / v heads serve four q heads, on sequence shards."""
+    q, k, v = make_full((1, 4, 8, 8), seed=21), make_full((1, 2, 8, 8), seed=22), make_full((1, 2, 8, 8), seed=23)
+    case = DTensorCase(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        [q, k, v],
+        [[Shard(2)]] * 3,
+    )
+    with rotation("alltoall"):
+        result = run_case(case, compare_eager=_eager_runs(case))
+    assert "dtensor_ring_sdpa_prim" in str(thunder.last_traces(result.jitted)[0])
+
+
 def test_ring_attention_with_the_lowering_off():
     q, k, v = (make_full((2, 4, 8, 8), seed=s) for s in (4, 5, 6))
     result = run_case(

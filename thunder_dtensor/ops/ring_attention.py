@@ -121,10 +121,14 @@ def _chunks(plan: RingPlan, tensors: tuple[torch.Tensor, ...]) -> Iterator[tuple
         for i in range(plan.size):
             yield _unflatten(gathered[(plan.rank - i) % plan.size], tensors)
         return
+    following: torch.Tensor | None = flat
     for i in range(plan.size):
-        if i > 0:
-            flat = _next_rank(plan, flat)
-        yield _unflatten(flat, tensors)
+        current = following
+        assert current is not None
+        # the next chunk is sent for before this one is attended: the rotation overlaps the attention (the
+        # lowered program waits for it where it is first read)
+        following = _next_rank(plan, current) if i + 1 < plan.size else None
+        yield _unflatten(current, tensors)
 
 
 # --- the ring ---------------------------------------------------------------------------------------------------

@@ -90,8 +90,8 @@ bench: setup
 	$(RUN2) benchmarks/bench.py --time-limit-s 420
 	$(RUN2) benchmarks/bench.py --workloads fsdp --variants eager,torch.compile,thunder_on,thunderfx_on,limit,limit_compiled \
 		--out benchmarks/results/fsdp
-	$(RUN2) benchmarks/context_parallel.py --rotate allgather
-	$(RUN2) benchmarks/context_parallel.py --rotate alltoall
+	for rotate in allgather alltoall; do for layer in "" --mlp; do \
+		$(RUN2) benchmarks/context_parallel.py --rotate $$rotate $$layer || exit 1; done; done
 	$(RUN2) benchmarks/no_rule.py
 	$(RUN2) benchmarks/overhead.py --out benchmarks/results/overhead --label "make bench"
 	$(RUN2) benchmarks/breakdown.py --rounds 150 --out benchmarks/results/breakdown

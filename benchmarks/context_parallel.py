@@ -51,20 +51,28 @@ FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_back
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    """Attention (qkv projection, SDPA, output projection) and, with ``mlp``, a feed-forward of 4 x ``dim`` after it,
+    each with a residual (a transformer layer without norms)."""
+
+    def __init__(self, dim: int, heads: int, mlp: bool = False) -> None:
         super().__init__()
         self.qkv, self.out, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) if mlp else None
 
     def heads_of(self, x: torch.Tensor) -> tuple:
         b, s, d = x.shape
         return self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
 
-    def merge(self, y: torch.Tensor) -> torch.Tensor:
+    def merge(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         b, _, s, _ = y.shape
-        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+        h = self.out(y.transpose(1, 2).reshape(b, s, -1))
+        if self.mlp is None:
+            return h
+        h = h + x
+        return h + self.mlp(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.merge(F.scaled_dot_product_attention(*self.heads_of(x)))
+        return self.merge(F.scaled_dot_product_attention(*self.heads_of(x)), x)
 
 
 class TorchRing(torch.autograd.Function):
@@ -153,6 +161,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rotate", default="allgather", choices=["allgather", "alltoall"])
+    parser.add_argument("--mlp", action="store_true", help="a feed-forward of 4 x dim after the attention")
     parser.add_argument("--out", default="benchmarks/results/context_parallel")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -160,7 +169,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (n,))
     set_rotate_method(args.rotate)
     torch.manual_seed(0)
-    block = Block(args.dim, args.heads)
+    block = Block(args.dim, args.heads, mlp=args.mlp)
     x = torch.randn(1, args.seq, args.dim)
     shard = x.chunk(n, dim=1)[rank].contiguous()  # (non-causal: the contiguous layout)
     jitted = thunder.jit(block)
@@ -175,11 +184,11 @@ def main() -> None:
         q, k, v = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in block.heads_of(shard))
         with sdpa_kernel([SDPBackend.MATH]):
             y = F.scaled_dot_product_attention(q, k, v)
-        block.merge(y.to_local()).square().mean().backward()
+        block.merge(y.to_local(), shard).square().mean().backward()
 
     def limit() -> None:
         q, k, v = (t.contiguous() for t in block.heads_of(shard))
-        block.merge(TorchRing.apply(mesh.get_group(), q, k, v)).square().mean().backward()
+        block.merge(TorchRing.apply(mesh.get_group(), q, k, v), shard).square().mean().backward()
 
     whole = thunder.jit(block)
 
@@ -220,7 +229,8 @@ def main() -> None:
     median = {name: statistics.median(t) for name, t in times.items()}
     # the cp step's share of the whole step: the limit and eager also hold half the sequence per rank
     result = {
-        "workload": f"attention block, seq {args.seq}, dim {args.dim}, {args.heads} heads, cp = {n}, "
+        "workload": f"{'transformer layer' if args.mlp else 'attention block'}, seq {args.seq}, dim {args.dim}, "
+        f"{args.heads} heads, cp = {n}, "
         f"rotation {args.rotate}, non-causal",
         "median_step_s": median,
         "peak_heap_mb": memory,
@@ -234,7 +244,8 @@ def main() -> None:
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.rotate}.json").write_text(json.dumps(result, indent=1) + "\n")
+        name = f"{args.rotate}{'_mlp' if args.mlp else ''}.json"
+        (out / name).write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result, indent=1))
     dist.destroy_process_group()
 

@@ -178,7 +178,7 @@ def ring_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: R
     """
     half = q.shape[-2] // 2
     accumulate = torch.promote_types(q.dtype, torch.float32)
-    dq = torch.zeros(q.shape, dtype=accumulate, device=q.device)
+    dq: Any = None  # (step 0 attends: its dq starts the sum)
     owed: list[torch.Tensor] = []  # (all-gather) each step's chunk gradient, flat
     travelling = None  # (all-to-all) the gradient of the chunk now here, summed over the ranks it has visited
     for step, (k_i, v_i) in zip(plan.steps(), _chunks(plan, (k, v))):
@@ -188,16 +188,16 @@ def ring_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: R
             dq_t, dk_i, dv_i = _attend_backward(
                 dout[..., half:, :], q[..., half:, :], k_i, v_i, out[..., half:, :], lse[..., half:], False, plan.scale
             )
-            dq = torch.cat([dq[..., :half, :], dq[..., half:, :] + dq_t], dim=-2)
+            dq = torch.cat([dq[..., :half, :], dq[..., half:, :] + dq_t.to(accumulate)], dim=-2)
         elif step == "kv_head":  # all of q attended the chunk's first half
             dq_t, dk_t, dv_t = _attend_backward(
                 dout, q, k_i[..., :half, :], v_i[..., :half, :], out, lse, False, plan.scale
             )
-            dq = dq + dq_t
+            dq = dq + dq_t.to(accumulate)
             dk_i, dv_i = (torch.cat([g, torch.zeros_like(g)], dim=-2) for g in (dk_t, dv_t))
         else:
             dq_t, dk_i, dv_i = _attend_backward(dout, q, k_i, v_i, out, lse, step == "causal", plan.scale)
-            dq = dq + dq_t
+            dq = dq_t.to(accumulate) if dq is None else dq + dq_t.to(accumulate)
         flat = _flatten((dk_i.to(accumulate), dv_i.to(accumulate)))
         if plan.rotate == "allgather":
             owed.append(flat)

@@ -181,10 +181,8 @@ from thunder_dtensor._integration.context_parallel import (
     all_to_all,
     context_parallel_dispatch_enabled,
     head_tail_layout,
-    load_balancer_applies,
     reduce_scatter_sum_dim0,
     rotate_method,
-    templated_ring_attention,
 )
 from thunder_dtensor._integration.fixes.cpu_kernels import run_cpu_ops_with_torch_kernels
 from thunder_dtensor._integration.fixes.scoped_entries import consult_scoped_entries
@@ -348,9 +346,7 @@ __all__ += [
     "context_parallel_dispatch_enabled",
     "reduce_scatter_sum_dim0",
     "head_tail_layout",
-    "load_balancer_applies",
     "rotate_method",
-    "templated_ring_attention",
     "add_dtensor_executor",
     "add_prologue_constraint",
     "below_autograd",

@@ -44,12 +44,6 @@ def rotate_method() -> RotateMethod:
     return "alltoall" if attention._cp_options.rotate_method == attention._RotateMethod.ALL_TO_ALL else "allgather"
 
 
-def load_balancer_applies(seq_length: int, world_size: int) -> bool:
-    """Whether ``context_parallel`` would use the head-tail load balancer for this sequence length."""
-    attention = _attention_module()
-    return bool(attention._cp_options.enable_load_balance) and seq_length % (2 * world_size) == 0
-
-
 # --- torch's functional collectives, by group name (names and signatures differ across torch releases) ---------
 def _funcol() -> Any:
     import torch.distributed._functional_collectives as funcol
@@ -79,11 +73,3 @@ def reduce_scatter_sum_dim0(t: torch.Tensor, group_name: str) -> torch.Tensor:
 def all_to_all(t: torch.Tensor, receives: list[int], sends: list[int], group_name: str) -> torch.Tensor:
     """``t`` split by ``sends`` to each rank; what each rank sends here, ``receives`` elements from each."""
     return _waited(_funcol().all_to_all_single(t, receives, sends, group_name))
-
-
-def templated_ring_attention(group: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
-    """torch's own ring attention on local shards (the CPU flash kernel), the benchmark's hand-written limit."""
-    attention = _attention_module()
-    return attention._templated_ring_attention(
-        group, 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, query=q, key=k, value=v, **kwargs
-    )

@@ -14,11 +14,11 @@ import sys
 import traceback
 
 import thunder_dtensor  # noqa: F401  (before thunder)
+from thunder_dtensor.testing.models import CausalAttention
 
 import thunder
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from thunder.dynamo import thunderfx
 from torch.distributed.device_mesh import init_device_mesh
@@ -44,18 +44,6 @@ def check(name: str):
             print(f"ok   {name}")
 
 
-class CausalAttention(nn.Module):
-    def __init__(self, dim: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        self.qkv, self.out, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
-
-
 def ring(mesh, causal: bool, rotate: str) -> None:
     set_rotate_method(rotate)
     torch.manual_seed(0)
@@ -78,7 +66,7 @@ def ring(mesh, causal: bool, rotate: str) -> None:
 
 def train_under_context_parallel(mesh, front: str) -> None:
     torch.manual_seed(0)
-    ref = CausalAttention().to(DEVICE)
+    ref = CausalAttention(dim=64, heads=4).to(DEVICE)
     x, target = torch.randn(2, 64, 64, device=DEVICE), torch.randn(2, 64, 64, device=DEVICE)
     F.mse_loss(ref(x), target).backward()
     expected = F.mse_loss(ref(x), target).item()

@@ -21,6 +21,7 @@ from thunder_dtensor.testing import (
     world_size,
 )
 from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_tp, llama_loss
+from thunder_dtensor.testing.models import CausalAttention
 from thunder_dtensor.testing.training import COMPILERS, PARITY_TOL
 
 import pytest
@@ -146,18 +147,6 @@ def test_attention_ring_cannot_take_is_gathered_with_a_warning():
 
 
 # --- torch's context_parallel API -------------------------------------------------------------------------------
-class CausalAttention(nn.Module):
-    def __init__(self, dim: int = 16, heads: int = 4) -> None:
-        super().__init__()
-        self.qkv, self.out, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
-
-
 def _cp_mean_grads(model: nn.Module, group=None) -> list[torch.Tensor]:
     """The one-process gradients: each cp rank's are its tokens' share of a mean over all tokens."""
     grads = []

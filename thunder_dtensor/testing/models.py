@@ -3,6 +3,9 @@
 Token and position embeddings with weight tying, N blocks of LayerNorm -> causal SDPA attention ->
 residual -> LayerNorm -> GELU MLP -> residual, a final norm and an output head. Attention reads the local
 head count from its inputs, so the same code runs whole or with heads sharded over a mesh.
+
+:class:`CausalAttention`: one causal attention layer alone (qkv projection, SDPA, output projection), the
+smallest model of context parallelism (torch's ``context_parallel`` recipe).
 """
 
 from __future__ import annotations
@@ -162,3 +165,17 @@ def parallelize(model: GPT, mesh: torch.distributed.DeviceMesh, *, sequence_para
     parallelize_module(model, mesh, tensor_parallel_plan(model.cfg, sequence_parallel=sequence_parallel))
     model.head.weight = model.tok_emb.weight
     return model
+
+
+class CausalAttention(nn.Module):
+    """qkv projection, causal SDPA over ``heads`` heads, output projection."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))

@@ -19,6 +19,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
+from thunder_dtensor._integration.context_parallel import context_parallel_dispatch_enabled
 from thunder_dtensor._integration.registry import expects_function, installer, patch
 
 import torch
@@ -116,7 +117,7 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
     a pipeline schedule's micro-batches straddle."""
     if not torch.distributed.is_available():
         return False
-    if _context_parallel_dispatch_enabled():  # inside torch's context_parallel: its attention makes DTensors
+    if context_parallel_dispatch_enabled():  # inside torch's context_parallel: its attention makes DTensors
         return True
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     if any(_is_dtensor(v) for v in leaves):
@@ -129,12 +130,6 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
 
         return any(isinstance(m, FSDPModule) for m in module.modules())
     return False
-
-
-def _context_parallel_dispatch_enabled() -> bool:
-    from thunder_dtensor._integration.context_parallel import context_parallel_dispatch_enabled
-
-    return context_parallel_dispatch_enabled()
 
 
 def holds_dtensors(values: tuple) -> bool:

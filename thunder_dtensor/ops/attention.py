@@ -176,14 +176,15 @@ def dtensor_scaled_dot_product_attention(
     if dtensors and sequence_mesh_dims(q):
         k, v = (_slice_like(t, q) for t in (k, v))  # replicated k / v next to a sequence-sharded q: its slice
         head_tail = bool(is_causal) and ti.head_tail_layout()
-        why = why_not_ring(q, k, v, attn_mask, dropout_p, is_causal, head_tail)
-        if why is None:
-            return ring_sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        if "different meshes" in why or ti.context_parallel_dispatch_enabled() or not replicated_fallback_enabled():
-            # (eager DTensor refuses operands on different meshes; context parallelism asked for: a gather would
-            # defeat it; or the replicated fallback is off)
-            raise refuse_ring(q, k, v, why)
-        warn_replicated_fallback("scaled_dot_product_attention", (q, k, v), f"ring attention cannot take {why}")
+        refusal = why_not_ring(q, k, v, attn_mask, dropout_p, is_causal, head_tail)
+        if refusal is None:
+            return ring_sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, head_tail=head_tail)
+        # context parallelism asked for: a gather would defeat it; or the replicated fallback is off
+        if not refusal.may_gather or ti.context_parallel_dispatch_enabled() or not replicated_fallback_enabled():
+            raise refuse_ring(q, k, v, refusal)
+        warn_replicated_fallback(
+            "scaled_dot_product_attention", (q, k, v), {}, f"ring attention cannot take {refusal.why}"
+        )
     # any other layout (a sharded head_dim, mixed placements): gather to Replicate, attend locally
     replicated = [_replicate(t) for t in (q, k, v)]
     mask = _replicate(attn_mask) if isinstance(attn_mask, DTensorProxy) else attn_mask

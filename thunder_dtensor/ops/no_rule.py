@@ -294,17 +294,14 @@ def call_or_rewrite(
         raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection
     _record(name, "replicated fallback")
     warn_replicated_fallback(
-        fallback.name, _placements(args, kwargs), distrust or f"DTensor has no sharding rule for {name} on these inputs"
+        fallback.name, args, kwargs, distrust or f"DTensor has no sharding rule for {name} on these inputs"
     )
     return out
 
 
-def warn_replicated_fallback(op_name: str, inputs: tuple, why: str) -> None:
-    """:class:`ReplicatedFallbackWarning`, once per op and input placements: ``op_name`` runs gathered because ``why``.
-
-    ``inputs`` are the inputs (DTensors or proxies) or already their placements.
-    """
-    placements = tuple(getattr(x, "placements", x) for x in inputs)
+def warn_replicated_fallback(op_name: str, args: tuple, kwargs: dict, why: str) -> None:
+    """:class:`ReplicatedFallbackWarning`, once per op and input placements: ``op_name`` runs gathered (``why``)."""
+    placements = _placements(args, kwargs)
     if (op_name, placements) in _WARNED:
         return
     _WARNED.add((op_name, placements))

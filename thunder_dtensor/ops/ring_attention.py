@@ -100,9 +100,9 @@ def _flatten(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.cat([t.contiguous().reshape(-1) for t in tensors])
 
 
-def _unflatten(flat: torch.Tensor, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    pieces = torch.split(flat, [t.numel() for t in like])
-    return tuple(p.view(t.shape) for p, t in zip(pieces, like))
+def _unflatten(flat: torch.Tensor, shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:
+    pieces = torch.split(flat, [s.numel() for s in shapes])
+    return tuple(p.view(s) for p, s in zip(pieces, shapes))
 
 
 def _next_rank(plan: RingPlan, t: torch.Tensor) -> torch.Tensor:
@@ -115,11 +115,11 @@ def _next_rank(plan: RingPlan, t: torch.Tensor) -> torch.Tensor:
 
 def _chunks(plan: RingPlan, tensors: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
     """Step i's chunks: those of rank ``rank - i``, by one all-gather or one all-to-all per step."""
-    flat = _flatten(tensors)
+    flat, shapes = _flatten(tensors), tuple(t.shape for t in tensors)
     if plan.rotate == "allgather":
         gathered = ti.all_gather_dim0(flat, plan.group_name).chunk(plan.size)
         for i in range(plan.size):
-            yield _unflatten(gathered[(plan.rank - i) % plan.size], tensors)
+            yield _unflatten(gathered[(plan.rank - i) % plan.size], shapes)
         return
     following: torch.Tensor | None = flat
     for i in range(plan.size):
@@ -128,12 +128,12 @@ def _chunks(plan: RingPlan, tensors: tuple[torch.Tensor, ...]) -> Iterator[tuple
         # the next chunk is sent for before this one is attended: the rotation overlaps the attention (the
         # lowered program waits for it where it is first read)
         following = _next_rank(plan, current) if i + 1 < plan.size else None
-        yield _unflatten(current, tensors)
+        yield _unflatten(current, shapes)
 
 
 # --- the ring ---------------------------------------------------------------------------------------------------
 def _merge(out: Any, lse: Any, new_out: torch.Tensor, new_lse: torch.Tensor) -> tuple:
-    new_out, new_lse = new_out.to(torch.promote_types(new_lse.dtype, new_out.dtype)), new_lse
+    new_out = new_out.to(torch.promote_types(new_lse.dtype, new_out.dtype))
     if out is None:
         return new_out, new_lse
     merged = torch.logaddexp(lse, new_lse)
@@ -203,13 +203,13 @@ def ring_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: R
             owed.append(flat)
         else:
             travelling = flat if travelling is None else _next_rank(plan, travelling) + flat
-    like = (k.to(accumulate), v.to(accumulate))
+    shapes = (k.shape, v.shape)
     if plan.rotate == "allgather":  # step i's chunk is rank (rank - i)'s: laid out by owner, reduce-scattered
         by_owner = torch.cat([owed[(plan.rank - owner) % plan.size] for owner in range(plan.size)])
-        dk, dv = _unflatten(ti.reduce_scatter_sum_dim0(by_owner, plan.group_name), like)
+        dk, dv = _unflatten(ti.reduce_scatter_sum_dim0(by_owner, plan.group_name), shapes)
     else:
         assert travelling is not None
-        dk, dv = _unflatten(_next_rank(plan, travelling), like)  # the last chunk here was rank + 1's
+        dk, dv = _unflatten(_next_rank(plan, travelling), shapes)  # the last chunk here was rank + 1's
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -270,48 +270,63 @@ def sequence_mesh_dims(t: Any) -> list[int]:
     return [i for i, p in enumerate(t.placements) if isinstance(p, ti.Shard) and p.dim % t.ndim == t.ndim - 2]
 
 
+_HINT_LAYOUT = "shard q, k and v alike along the sequence on one mesh dim, or redistribute them to Replicate"
+_HINT_LOAD_BALANCER = (
+    "inside context_parallel, pass sequences whose length divides into 2 x cp chunks, or turn the load "
+    "balancer off (_cp_options.enable_load_balance = False)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingRefusal:
+    """Why ring attention cannot run a sequence-sharded call, what to do about it, and whether a gather may
+    stand in for it (never across meshes: eager DTensor refuses operands on different meshes)."""
+
+    why: str
+    hint: str = _HINT_LAYOUT
+    may_gather: bool = True
+
+
 def why_not_ring(
     q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: Any, is_causal: bool, head_tail: bool
-) -> str | None:
+) -> RingRefusal | None:
     """Why ring attention cannot run this sequence-sharded call (None: it can)."""
     if attn_mask is not None:
-        return "an attn_mask (ring attention takes is_causal=True, no mask)"
+        return RingRefusal("an attn_mask (ring attention takes is_causal=True, no mask)", _HINT_MASK)
     if dropout_p != 0.0:
-        return "dropout (ring attention runs without it)"
+        return RingRefusal("dropout (ring attention runs without it)")
     if not all(isinstance(t, DTensorProxy) for t in (q, k, v)):
-        return "q, k and v are not all DTensors"
+        return RingRefusal("q, k and v are not all DTensors")
     if not (q.device_mesh == k.device_mesh == v.device_mesh):
-        return "q, k and v on different meshes (one cp mesh for all three)"
+        return RingRefusal("q, k and v on different meshes (one cp mesh for all three)", may_gather=False)
     if not (q.placements == k.placements == v.placements):
-        return "q, k and v have different placements (shard all three alike along the sequence)"
+        return RingRefusal("q, k and v have different placements (shard all three alike along the sequence)")
     if q.ndim != k.ndim or q.ndim < 3:
-        return "q, k and v have different ranks"
+        return RingRefusal("q, k and v have different ranks")
     seq_dims = sequence_mesh_dims(q)
     if len(seq_dims) != 1:
-        return "the sequence is sharded over more than one mesh dim"
+        return RingRefusal("the sequence is sharded over more than one mesh dim")
     if any(
         isinstance(p, ti.Partial) or (isinstance(p, ti.Shard) and p.dim % q.ndim == q.ndim - 1) for p in q.placements
     ):
-        return "a partial or head_dim-sharded input"
+        return RingRefusal("a partial or head_dim-sharded input")
     ranks = q.device_mesh.size(seq_dims[0])
     if is_causal and q.shape[-2] != k.shape[-2]:
-        return "a causal mask with different q and k / v sequence lengths"
+        return RingRefusal("a causal mask with different q and k / v sequence lengths")
     for t in (q, k, v):
         if t.shape[-2] % ranks:
-            return f"a sequence length {t.shape[-2]} that does not divide into {ranks} equal shards"
+            return RingRefusal(f"a sequence length {t.shape[-2]} that does not divide into {ranks} equal shards")
     if is_causal and head_tail and q.shape[-2] % (2 * ranks):
-        return (
-            f"a sequence length {q.shape[-2]} that does not divide into the load balancer's {2 * ranks} chunks "
-            f"(2 per rank)"
-        )
+        why = f"a sequence length {q.shape[-2]} that does not divide into the load balancer's {2 * ranks} chunks"
+        return RingRefusal(f"{why} (2 per rank)", _HINT_LOAD_BALANCER)
     return None
 
 
 def ring_sdpa(
-    q: DTensorProxy, k: DTensorProxy, v: DTensorProxy, *, is_causal: bool, scale: Any, enable_gqa: bool
+    q: DTensorProxy, k: DTensorProxy, v: DTensorProxy, *, is_causal: bool, scale: Any, enable_gqa: bool, head_tail: bool
 ) -> Any:
-    """Ring attention over q's sequence-sharding mesh dim, in the layout and rotation torch's state says."""
-    head_tail = bool(is_causal) and ti.head_tail_layout()
+    """Ring attention over q's sequence-sharding mesh dim, in the layout (``head_tail``, read by the caller from
+    torch's state) and the rotation torch's state says; the prologue checks both."""
     rotate = ti.rotate_method()
     ti.add_prologue_constraint(_run_check_context_parallel_state, head_tail if is_causal else None, rotate)
     return dtensor_ring_sdpa_prim(
@@ -327,18 +342,10 @@ def ring_sdpa(
     )
 
 
-def refuse_ring(q: Any, k: Any, v: Any, why: str) -> DTensorOpError:
-    hint = (
-        _HINT_MASK
-        if why.startswith("an attn_mask")
-        else (
-            "inside context_parallel, pass sequences whose length divides into 2 x cp chunks, or turn the load "
-            "balancer off (_cp_options.enable_load_balance = False)"
-            if "load balancer" in why
-            else "shard q, k and v alike along the sequence on one mesh dim, or redistribute them to Replicate"
-        )
+def refuse_ring(q: Any, k: Any, v: Any, refusal: RingRefusal) -> DTensorOpError:
+    return DTensorOpError(
+        "scaled_dot_product_attention (ring attention)", (q, k, v), {}, f"cannot take {refusal.why}", refusal.hint
     )
-    return DTensorOpError("scaled_dot_product_attention (ring attention)", (q, k, v), {}, f"cannot take {why}", hint)
 
 
 def _check_context_parallel_state_meta(head_tail: bool | None, rotate: str) -> None:

@@ -12,7 +12,7 @@ THUNDER_SPEC ?= lightning-thunder==0.2.6
 RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
 RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 
-.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz zoo compat thunder-suite clean
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz zoo generate-check compat thunder-suite clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ ZOO_ARGS ?=
 zoo: setup
 	$(RUN2) scripts/zoo.py --out $(ZOO_OUT) $(ZOO_ARGS)
 
+# tensor-parallel generate() with a KV cache (dynamic and static) on tiny Llama, Qwen3 and Mixtral under thunder.jit and
+# thunderfx, greedy and sampling, against the one-process model's tokens, at 2 and 4 ranks (about an hour on 2 cores)
+generate-check: setup
+	$(RUN2) scripts/generate_check.py --unsharded && $(RUN4) scripts/generate_check.py
+
 # another torch (docs/architecture.md, "Versions"): a venv with it (CUDA wheels of 5-7 GB, deleted afterwards unless
 # KEEP=1), the unit tests, the seed and TP examples under thunder.jit and thunderfx, a distributed subset at 2 ranks.
 # e.g. make compat TORCH=2.10.0; make compat TORCH=2.13.0 THUNDER=0.2.7.dev20260201 (another lightning-thunder)
@@ -81,8 +86,8 @@ tp-demo: setup
 
 # step time (interleaved rounds in one process) and first-call time (a fresh process per variant), eager DTensor
 # vs torch.compile vs thunder, and an op without a sharding rule (about 12 minutes on 2 cores): writes
-# benchmarks/results/results.{json,md,png}, fsdp/results.{json,md,png}, first_call.{json,md}, plain_call_cost.md
-# and no_rule.md; see benchmarks/README.md
+# benchmarks/results/results.{json,md,png}, fsdp/results.{json,md,png}, first_call.{json,md}, plain_call_cost.md,
+# inference/tp2.json and no_rule.md; see benchmarks/README.md
 bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/first_call.py
@@ -92,6 +97,7 @@ bench: setup
 		--out benchmarks/results/fsdp
 	for rotate in allgather alltoall; do for layer in "" --mlp; do \
 		$(RUN2) benchmarks/context_parallel.py --rotate $$rotate $$layer || exit 1; done; done
+	$(RUN2) benchmarks/inference.py
 	$(RUN2) benchmarks/no_rule.py
 	$(RUN2) benchmarks/overhead.py --out benchmarks/results/overhead --label "make bench"
 	$(RUN2) benchmarks/breakdown.py --rounds 150 --out benchmarks/results/breakdown

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 import sys
 
@@ -46,6 +47,13 @@ def _args() -> argparse.Namespace:
         default=0.0,
         help="the share of programs reading no values into Python that also run under thunderfx (those that read "
         "values always do); about two programs' time each",
+    )
+    parser.add_argument(
+        "--view-writes",
+        type=float,
+        default=float(os.environ.get("THUNDER_DTENSOR_FUZZ_VIEW_WRITES", "0")),
+        help="the weight of in-place writes into views among the op builders (others weigh 1 to 6; default 0, or "
+        "THUNDER_DTENSOR_FUZZ_VIEW_WRITES: none drawn, every seed's program as before); e.g. 20 for one in three",
     )
     parser.add_argument("--no-repro", action="store_true", help="print the failing programs' lines only")
     parser.add_argument("--repro-dir", type=pathlib.Path, help="also write each reproducer to a file here")
@@ -103,6 +111,7 @@ def main() -> int:
         on_result=report,
         minimize_failures=not args.no_minimize,
         thunderfx_share=args.thunderfx_share,
+        view_writes=args.view_writes,
     )
     if rank0:
         for n, (signature, result) in enumerate(summary.minimized.items()):

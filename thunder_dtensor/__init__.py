@@ -19,7 +19,11 @@ _integration.fix_complex_gradients()  # thunder 0.2.6's grad rules ignore comple
 _integration.call_custom_autograd_functions_with_builtin_apply()  # torch >= 2.14: autograd.Function.apply is C
 _integration.tolerate_sequences_that_cannot_be_iterated()  # a Sequence's own __init__ (transformers' configs)
 _integration.interpret_itertools_chain()  # torch's context_parallel chains SDPA's arguments
-_integration.replay_the_state_the_program_leaves()  # an attribute set, then reset (transformers' output collector)
+_integration.replay_the_state_the_program_leaves()  # attributes set in the program (output collector, KV cache)
+_integration.clamp_slices_as_torch_does()  # mask[:, -window:] with a window longer than the mask
+_integration.take_python_types_as_tensor_dtypes()  # torch.tensor([-1], dtype=int)
+_integration.take_grouped_query_attention_in_sdpa()  # F.scaled_dot_product_attention(..., enable_gqa=True)
+_integration.skip_empty_vectors_in_cat()  # torch.cat([torch.tensor([]), x], dim=-2) (transformers' DynamicCache)
 _integration.register_gradient_hooks_on_real_tensors()  # param.register_post_accumulate_grad_hook(...) in forward
 _integration.give_meta_tensors_a_stride()  # torch.empty(shape, device="meta").stride()
 _integration.keep_named_members_in_order()  # named_parameters() in a program, in the module's order
@@ -52,7 +56,10 @@ if DISTRIBUTED_AVAILABLE:
     _integration.scope_sharding_rules_to_thunderfx_calls(ops.attention.THUNDERFX_SHARDING_RULES)
     # in-place DTensor ops keep their DTensor proxies through thunder's alias updates
     _integration.keep_dtensors_in_alias_updates(
-        is_dtensor_proxy, ops.inplace.dtensor_alias_proxy, ops.inplace.dtensor_update_aliases_prim
+        is_dtensor_proxy,
+        ops.inplace.dtensor_alias_proxy,
+        ops.inplace.dtensor_update_aliases_prim,
+        ops.inplace.DTENSOR_VIEW_WRITES,
     )
     _integration.install_thunder_hooks(
         proxify=proxify_dtensor,
@@ -127,3 +134,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.install_lowering(
         lowering.lower_dtensor_program, lowering.lowering_enabled, lowering.annotate_not_lowered
     )
+
+# a write into a view of a plain tensor that requires grad gets eager's gradients (installed after the alias
+# pass's DTensor wrapper, which rewrites DTensor writes the same way, so that it wraps that one)
+_integration.functionalize_writes_into_views_that_require_grad()

@@ -151,6 +151,120 @@ def test_nn_relu_inplace_module():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Writes into views of DTensors that require grad: made functional, with eager's values and gradients
+# ---------------------------------------------------------------------------------------------------------
+#: views of a (4, 6) value, each with placements of the value under which DTensor keeps the view sharded (a view
+#: DTensor computes on gathered data is a copy: writes into it are refused, ``test_fuzz_regressions.py``)
+VIEWS = {
+    "slice": (lambda y: y[:, 1:4], S0),
+    "narrow": (lambda y: y.narrow(0, 1, 2), S1),
+    "select": (lambda y: y.select(1, 2), S0),
+    "index": (lambda y: y[2], S1),
+    "view": (lambda y: y.view(2, 12), S0),
+    "transpose": (lambda y: y.transpose(0, 1), S0),
+    "unflatten": (lambda y: y.unflatten(1, (2, 3)), S0),
+    "diagonal": (lambda y: y.diagonal(1), R),
+    "slice_of_transpose": (lambda y: y.t()[1:], S0),
+    "select_of_unflatten": (lambda y: y.unflatten(1, (3, 2))[:, 1], S0),
+}
+
+#: writes into a view ``v`` with an operand ``b`` shaped like it (which requires grad) and integer ids ``i``
+VIEW_WRITES = {
+    "mul_": lambda v, b, i: v.mul_(b),
+    "add_": lambda v, b, i: v.add_(b, alpha=2.0),
+    "copy_": lambda v, b, i: v.copy_(b),
+    "masked_fill_": lambda v, b, i: v.masked_fill_(b > 0, 0.25),
+    "index_put_": lambda v, b, i: v.index_put_((i,), b[0] * 3),
+    "setitem": lambda v, b, i: v.__setitem__(slice(None), b * 3),
+}
+
+
+def _write_into_a_view(view: Callable, write: Callable) -> Callable:
+    def program(x, b, i):
+        y = x * 2
+        before = y[1:, :2]  # a view taken before the write, read after it
+        v = view(y)
+        write(v, b, i)
+        return y * 3, v * v, before + 1  # the viewed value, the written view, the other view
+
+    return program
+
+
+def _view_write_case(view: str, write: str) -> DTensorCase:
+    take, placements = VIEWS[view]
+    x = make_full((4, 6), seed=90)
+    b, ids = make_full(tuple(take(x).shape), seed=91), torch.tensor([0, 1])
+    if write == "index_put_" and placements == S0 and take(x).ndim == 2 and view == "slice":
+        placements = R  # rows indexed along the sharded dim: eager DTensor refuses the in-place op (so do we)
+    program = _write_into_a_view(take, VIEW_WRITES[write])
+    return DTensorCase(program, [x, b, ids], [placements, R, R], requires_grad=[True, True, False])
+
+
+@pytest.mark.parametrize("write", VIEW_WRITES)
+def test_writes_into_a_slice_that_requires_grad(write):
+    # eager DTensor's backward of index_put_ fails (torch 2.13: "got mixed torch.Tensor and DTensor"): values and
+    # gradients against plain torch only
+    compare_eager = write != "index_put_"
+    run_case(_view_write_case("slice", write), compare_eager=compare_eager, label=f"write {write} into a slice")
+
+
+@pytest.mark.parametrize("lowering", [True, False], ids=["lowered", "eager_prims"])
+@pytest.mark.parametrize("view", [v for v in VIEWS if v != "slice"])
+def test_writes_into_views_that_require_grad(view, lowering):
+    for write in ("mul_", "copy_"):
+        run_case(_view_write_case(view, write), jit_kwargs={"dtensor_lowering": lowering}, label=f"{write} into {view}")
+
+
+def _writes_that_overlap(x, b):
+    y = x * 2
+    rows, cols = y[1:3], y[:, 2:]
+    rows.mul_(b)
+    cols.t()[0].add_(1.5)  # through a view of a view, overlapping the first write
+    y.mul_(x)  # into the viewed DTensor itself: both views see it
+    return rows * 2, cols, y
+
+
+def test_writes_that_overlap_and_a_write_into_the_viewed_dtensor():
+    case = DTensorCase(_writes_that_overlap, [make_full((4, 6), seed=92), make_full((2, 6), seed=93)], [R, S0])
+    run_case(case, assert_comms=COMMS_ASSERTED, label="overlapping writes into views")
+
+
+def test_writes_into_views_under_thunderfx():
+    from thunder.dynamo import thunderfx
+
+    program = _write_into_a_view(VIEWS["slice"][0], VIEW_WRITES["mul_"])
+    full_x, full_b = make_full((4, 6), seed=94), make_full((4, 3), seed=95)
+    plain = [full_x.clone().requires_grad_(), full_b.clone().requires_grad_()]
+    x, b = _distribute([full_x, full_b], [S0, R], [True, True])
+    expected, outs = program(*plain, None), thunderfx(program)(x, b, None)
+    cotangents = [make_full(tuple(e.shape), seed=96 + i) for i, e in enumerate(expected)]
+    torch.autograd.backward(expected, cotangents)
+    torch.autograd.backward(outs, [distribute_tensor(c, mesh_1d(), o.placements) for c, o in zip(cotangents, outs)])
+    for i, (out, e) in enumerate(zip(outs, expected)):
+        assert_matches_full(out, e.detach(), what=f"output {i}")
+    assert_matches_full(x.grad, plain[0].grad, what="x's gradient")
+    assert_matches_full(b.grad, plain[1].grad, what="b's gradient")
+
+
+def _write_into_a_detached_view(x):
+    y = x * 2
+    y.detach()[:, 1:].mul_(0.5)  # the values change; autograd does not see the write
+    return y * 3
+
+
+def test_a_write_into_a_detached_view_changes_values_not_gradients():
+    run_case(DTensorCase(_write_into_a_detached_view, [make_full((4, 6), seed=99)], [S0]), label="detached view")
+
+
+def test_a_write_into_a_gathered_view_is_refused_also_with_grad():
+    """A slice along a sharded dim is a copy in eager DTensor: the write would be lost, so it is refused."""
+    program = _write_into_a_view(lambda y: y[1:3], VIEW_WRITES["mul_"])
+    x, b = _distribute([make_full((4, 6), seed=97), make_full((2, 6), seed=98)], [S0, R], [True, True])
+    with pytest.raises(DTensorOpError, match="computed on gathered data"):
+        thunder.jit(program)(x, b, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # In-place ops on inputs: the caller's DTensors are updated
 # ---------------------------------------------------------------------------------------------------------
 def _distribute(fulls: Sequence[torch.Tensor], placements: Sequence, requires_grad: Sequence[bool]) -> list:
@@ -223,6 +337,11 @@ def relu_inplace(x, w):
     return x * w
 
 
+def write_into_a_view_of_the_input(x, w):
+    x[:, 1:].mul_(w[:, 1:])  # x needs no grad, w does: its gradient reads x's old values, which the write replaces
+    return x * 2 + w
+
+
 @pytest.mark.parametrize(
     "fn, placements, requires_grad",
     [
@@ -231,6 +350,7 @@ def relu_inplace(x, w):
         (copy_into, [S0, R], [False, True]),  # w (Replicate) written into x (Shard(0)): no communication
         (zero_fill_setitem, [S0, S0, R], [False, False, False]),
         (relu_inplace, [R, S0], [False, True]),
+        (write_into_a_view_of_the_input, [S0, S0], [False, True]),
     ],
     ids=lambda v: getattr(v, "__name__", None),
 )

@@ -13,6 +13,7 @@ _FIXES_EVERYWHERE_IN = {
     "test_root_module_hooks",
     "test_sdpa_kernel",
     "test_thunder_fixes_for_models",
+    "test_writes_into_views",
 }
 
 

@@ -23,6 +23,10 @@ FAILING_WITHOUT = {
     "interpret_itertools_chain": (reproducers._chain_arguments, "KeyError: None"),
     "replay_the_state_the_program_leaves": (reproducers._set_then_reset, "trying to set .collected"),
     "run_torch_custom_ops": (reproducers._call_a_custom_op, "scaled_rows is not registered"),
+    "clamp_slices_as_torch_does": (reproducers._slice_longer_than_the_dim, "start=-7 is not a valid index"),
+    "take_python_types_as_tensor_dtypes": (reproducers._index_of_python_int_type, "had an unexpected type"),
+    "take_grouped_query_attention_in_sdpa": (reproducers._grouped_query_attention, "unexpected keyword argument"),
+    "skip_empty_vectors_in_cat": (reproducers._append_to_an_empty_cache, "Expected dimension in inclusive range"),
 }
 if not _integration.FUNCTION_APPLY_IS_BUILTIN:  # (torch >= 2.14 fails earlier, at any custom Function)
     FAILING_WITHOUT["name_opaque_arguments_of_traced_functions"] = (
@@ -59,6 +63,39 @@ def test_a_silently_wrong_gradient_is_fixed_only_where_switched_on():
     assert (gradient() - leaf.grad).abs().max() > 1e-3  # plain program: thunder's gradient
     with fixes.enabled("keep_saved_tensors_from_in_place_writes", everywhere=True):
         torch.testing.assert_close(gradient(), leaf.grad)
+
+
+@pytest.mark.parametrize("program", [reproducers._scale_a_view_in_place, reproducers._add_into_a_view])
+def test_writes_into_views_get_eager_gradients_only_where_switched_on(program):
+    """A write into a view of a tensor that requires grad: thunder alone gives wrong gradients, silently."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3)
+    name = "functionalize_writes_into_views_that_require_grad"
+
+    def gradient(fn) -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        fn(leaf).sum().backward()
+        return leaf.grad
+
+    eager = gradient(program)
+    assert (gradient(thunder.jit(program)) - eager).abs().max() > 1.0  # plain program: thunder's gradient
+    with fixes.enabled(name, everywhere=True):
+        torch.testing.assert_close(gradient(thunder.jit(program)), eager)
+    with fixes.enabled("all", everywhere=True), fixes.disabled(name):  # only this one off: thunder's gradient
+        assert (gradient(thunder.jit(program)) - eager).abs().max() > 1.0
+
+
+def test_a_silently_lost_attribute_write_is_fixed_only_where_switched_on():
+    """A lazily allocated cache: thunder alone writes back only the first attribute the program sets."""
+
+    def ready_after_a_call() -> bool:
+        cache = reproducers._LazyCache()
+        thunder.jit(reproducers._fill_a_lazy_cache)(torch.ones(4, 3), cache)
+        return cache.ready
+
+    assert not ready_after_a_call()  # plain program: thunder's behaviour
+    with fixes.enabled("replay_the_state_the_program_leaves", everywhere=True):
+        assert ready_after_a_call()
 
 
 def test_switches_name_their_fixes():

@@ -58,6 +58,48 @@ def _set_then_reset(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+class _LazyCache:
+    """Allocated by the first call that uses it (transformers' ``StaticCache`` layer)."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.length = 0
+        self.ready = False
+
+
+def _fill_a_lazy_cache(x: torch.Tensor, cache: _LazyCache) -> torch.Tensor:
+    if not cache.ready:
+        cache.device = x.device  # (a new attribute: the one write thunder alone records)
+        cache.keys = torch.zeros_like(x)
+        cache.length = x.shape[0]
+        cache.ready = True
+    cache.keys.add_(x)
+    return cache.keys * 2
+
+
+def _slice_longer_than_the_dim(x: torch.Tensor) -> torch.Tensor:
+    """transformers' sliding-window mask: ``mask[:, -window:]`` with a window longer than the prompt."""
+    return x[-7:, None, -5:-1] * 2
+
+
+def _index_of_python_int_type(x: torch.Tensor) -> torch.Tensor:
+    """transformers' sliding-window static cache: ``torch.tensor([-1], dtype=int)``."""
+    return x.index_select(0, torch.tensor([-1], dtype=int) + x.shape[0])
+
+
+def _grouped_query_attention(x: torch.Tensor) -> torch.Tensor:
+    """Four query heads over two kv heads (transformers' SDPA without a mask)."""
+    q, k, v = x.view(1, 4, 1, 3), x[:2].reshape(1, 2, 1, 3), x[2:].reshape(1, 2, 1, 3) * 2
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.expand(1, 4, 5, 3), k.expand(1, 2, 5, 3), v.expand(1, 2, 5, 3), is_causal=True, enable_gqa=True
+    )
+
+
+def _append_to_an_empty_cache(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``DynamicCache``: each layer starts from ``torch.tensor([])``."""
+    return torch.cat([torch.tensor([], dtype=torch.float64), x.view(1, 4, 3)], dim=-2)
+
+
 def _meta_stride(x: torch.Tensor) -> torch.Tensor:
     meta = torch.empty((x.shape[0], 6), device="meta")
     return x * meta.stride()[0] + meta.shape[1]
@@ -131,6 +173,26 @@ def test_a_tensor_saved_for_the_backward_then_written_in_place():
 
     for fn in (_normalize_in_place, scaled):
         assert_jit_matches_eager(fn, (4, 5))
+
+
+def _scale_a_view_in_place(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[:, 1:].mul_(0.5)
+    return y * 3
+
+
+def _add_into_a_view(x: torch.Tensor) -> torch.Tensor:
+    b = x[:, :2] * 4  # (an operand that requires grad)
+    y = x.clone()
+    y[:, 1:].add_(b)
+    return y * 2
+
+
+def test_writes_into_views_of_tensors_that_require_grad():
+    """thunder 0.2.6 differentiates a write into a view as if the viewed tensor kept its old value: ``mul_``
+    gives wrong gradients, and the tensor added into a view gets none (``_integration/functionalize.py``)."""
+    for fn in (_scale_a_view_in_place, _add_into_a_view):
+        assert_jit_matches_eager(fn, (4, 3))
 
 
 _SWAPPED = torch.nn.Linear(3, 2)
@@ -250,6 +312,44 @@ def test_an_attribute_set_then_reset_stays_reset():
         assert COLLECTOR.collected is None
 
 
+def test_attributes_a_program_sets_on_an_object_are_all_kept():
+    cache, eager_cache = _LazyCache(), _LazyCache()
+    jitted = thunder.jit(_fill_a_lazy_cache)
+    for _ in range(3):  # the first call allocates and sets; the next ones write into the cache's tensor
+        x = torch.randn(4, 3)
+        torch.testing.assert_close(jitted(x, cache), _fill_a_lazy_cache(x, eager_cache))
+        assert (cache.ready, cache.length, cache.device) == (True, 4, torch.device("cpu"))
+        torch.testing.assert_close(cache.keys, eager_cache.keys)
+    assert thunder.cache_misses(jitted) == 2  # before and after the allocation
+
+
+def test_a_slice_reaching_before_the_start_of_a_dim():
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(thunder.jit(_slice_longer_than_the_dim)(x), _slice_longer_than_the_dim(x))
+
+
+def test_a_python_type_as_a_tensor_dtype():
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(thunder.jit(_index_of_python_int_type)(x), _index_of_python_int_type(x))
+
+
+def test_grouped_query_attention_forward_and_backward():
+    x = torch.randn(4, 3, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    out, out_eager = thunder.jit(_grouped_query_attention)(x), _grouped_query_attention(x_eager)
+    torch.testing.assert_close(out, out_eager)
+    out.square().sum().backward()
+    out_eager.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_eager.grad)
+
+
+def test_cat_skips_an_empty_vector_as_torch_does():
+    x = torch.randn(4, 3)
+    out = thunder.jit(_append_to_an_empty_cache)(x)
+    torch.testing.assert_close(out, _append_to_an_empty_cache(x))
+    assert out.dtype == torch.float64  # the empty vector still takes part in type promotion
+
+
 def test_stride_of_a_meta_tensor_made_in_the_program():
     x = torch.randn(4, 3)
     torch.testing.assert_close(thunder.jit(_meta_stride)(x), _meta_stride(x))
@@ -296,18 +396,30 @@ errors = {{}}
 for name in (
     "_make_a_sequence", "_set_then_reset", "_meta_stride", "_register_a_hook", "_named_parameters",
     "_swap_a_parameter_and_restore_it", "_custom_function_given_an_object", "_call_a_custom_op", "_chain_arguments",
+    "_append_to_an_empty_cache", "_slice_longer_than_the_dim", "_index_of_python_int_type",
+    "_grouped_query_attention",
 ):
     try:
         thunder.jit(getattr(t, name))(torch.randn(4, 3))
         errors[name] = None
     except Exception as e:
         errors[name] = f"{{type(e).__name__}}: {{e}}"
+cache = t._LazyCache()
+filled = thunder.jit(t._fill_a_lazy_cache)
+filled(torch.ones(4, 3), cache)
+errors["_fill_a_lazy_cache"] = "kept" if cache.ready else "lost"
 torch.manual_seed(0)
 x = torch.randn(4, 5, requires_grad=True)
 x2 = x.detach().clone().requires_grad_()
 thunder.jit(t._normalize_in_place)(x).sum().backward()
 t._normalize_in_place(x2).sum().backward()
 errors["_normalize_in_place"] = (x.grad - x2.grad).abs().max().item()
+for name in ("_scale_a_view_in_place", "_add_into_a_view"):
+    x = torch.randn(4, 3, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    thunder.jit(getattr(t, name))(x).sum().backward()
+    getattr(t, name)(x2).sum().backward()
+    errors[name] = (x.grad - x2.grad).abs().max().item()
 x = torch.randn(2, 3, requires_grad=True)
 zero = torch.equal(thunder.jit(t._branch_on_requires_grad)(x), x.detach().view(-1) * 0)
 errors["_branch_on_requires_grad"] = "no-grad branch taken" if zero else "eager's branch"
@@ -328,11 +440,18 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     errors = json.loads(result.stdout.strip().splitlines()[-1])
     assert "object has no attribute '_count'" in errors["_make_a_sequence"]
     assert "KeyError: None" in errors["_chain_arguments"]
+    assert "Expected dimension in inclusive range of -1 and 0: got -2" in errors["_append_to_an_empty_cache"]
+    assert "start=-7 is not a valid index for length 4" in errors["_slice_longer_than_the_dim"]
+    assert "<class 'int'> had an unexpected type" in errors["_index_of_python_int_type"]
+    assert "unexpected keyword argument 'enable_gqa'" in errors["_grouped_query_attention"]
+    assert errors["_fill_a_lazy_cache"] == "lost"  # silently: keys, length and ready were not written back
     assert "trying to set .collected" in errors["_set_then_reset"]
     assert "Unknown attribute stride" in errors["_meta_stride"]
     assert "Unknown attribute register_post_accumulate_grad_hook" in errors["_register_a_hook"]
     assert "named_parameters() in the order" in errors["_named_parameters"]
     assert errors["_normalize_in_place"] > 1e-3  # a wrong gradient, silently
+    assert errors["_scale_a_view_in_place"] > 1.0  # 3 where eager's is 1.5
+    assert errors["_add_into_a_view"] > 1.0  # b's gradient (8 per element) lost
     # (torch >= 2.14: thunder fails earlier, at any custom Function without the builtin-apply fix)
     custom_function = (
         "KeyError: None" if _integration.FUNCTION_APPLY_IS_BUILTIN else "expected str instance, method found"

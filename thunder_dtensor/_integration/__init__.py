@@ -197,7 +197,9 @@ from thunder_dtensor._integration.fixes.speedups import (
 from thunder_dtensor._integration.fixes.thunder_fixes import (
     answer_requires_grad_of_computed_values,
     call_custom_autograd_functions_with_builtin_apply,
+    clamp_slices_as_torch_does,
     fix_complex_gradients,
+    functionalize_writes_into_views_that_require_grad,
     fused_sdp_choice,
     give_meta_tensors_a_stride,
     install_sdpa_kernel_support,
@@ -212,6 +214,9 @@ from thunder_dtensor._integration.fixes.thunder_fixes import (
     run_torch_custom_ops,
     scope_ambient_autocast_to_each_call,
     sdpa_backends_enabled_globally,
+    skip_empty_vectors_in_cat,
+    take_grouped_query_attention_in_sdpa,
+    take_python_types_as_tensor_dtypes,
     tolerate_sequences_that_cannot_be_iterated,
 )
 from thunder_dtensor._integration.fsdp import (
@@ -231,6 +236,7 @@ from thunder_dtensor._integration.fsdp import (
     unwrap_value,
     wrap_constant,
 )
+from thunder_dtensor._integration.functionalize import ViewWriteEmitter, normalized_view_name
 from thunder_dtensor._integration.program_scope import (
     add_dtensor_executor,
     note_each_call,
@@ -336,10 +342,12 @@ __all__ = [
     "UNTESTED_THUNDER_VARIABLE",
     "UNTESTED_TORCH_VARIABLE",
     "variableify",
+    "ViewWriteEmitter",
 ]
 
 #: small functions over thunder's and torch's private layouts: what the package calls instead of them
 __all__ += [
+    "normalized_view_name",
     "accept_dtensor_proxies",
     "add_dtensor_executor",
     "add_prologue_constraint",
@@ -443,11 +451,13 @@ __all__ += [
     "answer_requires_grad_of_computed_values",
     "bind_symbols_with_cached_signatures",
     "call_custom_autograd_functions_with_builtin_apply",
+    "clamp_slices_as_torch_does",
     "call_partials_outside_the_interpreter",
     "call_proxy_conversions_whole",
     "consult_scoped_entries",
     "dispatch_module_calls_outside_the_interpreter",
     "fix_complex_gradients",
+    "functionalize_writes_into_views_that_require_grad",
     "give_meta_tensors_a_stride",
     "install_autocast_hook",
     "install_compiled_program_hook",
@@ -478,6 +488,9 @@ __all__ += [
     "run_interpreter_helpers_directly",
     "run_torch_custom_ops",
     "scope_ambient_autocast_to_each_call",
+    "skip_empty_vectors_in_cat",
+    "take_grouped_query_attention_in_sdpa",
+    "take_python_types_as_tensor_dtypes",
     "scope_sharding_rules_to_thunderfx_calls",
     "set_cotangent_proxy_factory",
     "tolerate_sequences_that_cannot_be_iterated",

@@ -33,6 +33,7 @@ from thunder_dtensor._integration.bootstrap import (
     tracectx,
 )
 from thunder_dtensor._integration.fixes.switches import active, declare_fix
+from thunder_dtensor._integration.functionalize import ViewWriteEmitter, functionalize_writes_into_views
 from thunder_dtensor._integration.registry import (
     GRAD_RULES,
     JIT_LOOKASIDES,
@@ -548,9 +549,13 @@ def inplace_argument_index(symbol: Any) -> int | None:
 
 @installer("dtensor", "thunder's alias updates keep DTensor proxies and run on the dtensor executor")
 def keep_dtensors_in_alias_updates(
-    is_dtensor_proxy: Callable, new_alias: Callable, update_aliases_prim: Symbol
+    is_dtensor_proxy: Callable, new_alias: Callable, update_aliases_prim: Symbol, view_writes: ViewWriteEmitter
 ) -> None:
     """Make thunder's alias updates keep DTensor proxies and run on the dtensor executor.
+
+    * A write into a view of a DTensor whose gradient matters is made functional first, its ops emitted by
+      ``view_writes`` (:mod:`thunder_dtensor._integration.functionalize`): thunder's autodiff would give it
+      wrong gradients.
 
     * ``new_alias(p)`` makes the proxy for the updated alias of the DTensor proxy ``p``; thunder would make a
       plain ``TensorProxy``, losing the spec.
@@ -596,6 +601,7 @@ def keep_dtensors_in_alias_updates(
     return_through_updates = Symbol(name="return", meta=None, id="thunder_dtensor.return_through_alias_updates")
 
     def insert_alias_updates(trace: TraceCtx, alias_tensor_indices: list) -> TraceCtx:
+        trace = functionalize_writes_into_views(trace, lambda p: view_writes if is_dtensor_proxy(p) else None)
         # thunder skips the return: a DTensor written through one of its views and then returned itself would
         # be returned under its name from before the write, which the forward/backward split then drops. A
         # return of DTensors goes through the pass as an ordinary line (so an update of the aliases it reads is

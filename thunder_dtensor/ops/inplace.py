@@ -23,6 +23,12 @@ copied one. DTensors take the same path, with dtensor prims in place of thunder'
   gets a snapshot first (eager saves the original ``self`` the same way); ops whose gradients never read
   values (``add_``, ``sub_``, ``zero_``, ``fill_``, setitem, ...) skip it.
 
+A write into a view of a DTensor whose gradient matters (``y[:, 1:].mul_(w)``) is made functional before
+thunder's alias pass (``_integration/functionalize.py``, with :data:`DTENSOR_VIEW_WRITES`): the view's new value,
+scattered back into the viewed DTensor (``slice_scatter`` and friends, whose grad rules here are eager's backward of
+such a write), and later reads see it; a write into a view DTensor computed on gathered data is refused (eager
+loses it).
+
 Every in-place torch function / Tensor method in thunder's tables is covered this way (plus ``fill_``,
 which thunder lacks), and so are functions with an ``inplace=`` flag (``F.relu``, ``nn.ReLU(inplace=True)``;
 ``F.dropout(x, inplace=True)`` writes the dropout family's own value, whose gradient reuses its mask).
@@ -36,9 +42,11 @@ from typing import Any, cast
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import (
     DISPATCH_TABLE,
+    dtensor_callable_for,
     register_function_for_dtensor,
     register_method_for_dtensor,
     route_method,
+    torch_function_of_symbol,
 )
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.executor import dtensor_ex
@@ -46,6 +54,7 @@ from thunder_dtensor.ops.dropout import dtensor_dropout
 from thunder_dtensor.ops.fallback import fallback_prim
 from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand, refusing_a_number_into_a_partial_sum
 from thunder_dtensor.primitive import (
+    PRIMS,
     add_prim_record,
     define_dtensor_prim,
     define_vjp,
@@ -213,26 +222,10 @@ def _gathering_view(view: ti.BoundSymbol | None, a: DTensorProxy | None) -> ti.B
     return None
 
 
-#: in-place ops whose written value's gradient is the destination's, unchanged (``add_(0.5)``, ``sub_(1)``)
-_IDENTITY_GRADIENT_OPS = frozenset({"add_", "sub_"})
-
-
-def _gradient_passes_through(name: str, args: tuple, kwargs: dict) -> bool:
-    """Whether thunder's autodiff is right about a write into a view: the op passes the gradient through to
-    the destination unchanged and every other operand is a number. Thunder treats the viewed tensor after
-    the write as the tensor before it, which is then exactly right (and the return reads the written value:
-    ``keep_dtensors_in_alias_updates``). A tensor operand is refused even where its proxy says it needs no
-    grad: an intermediate's proxy does not say so reliably, and a lost gradient would be silent."""
-    operands = ti.tree_flatten((args, kwargs))[0]
-    return name in _IDENTITY_GRADIENT_OPS and not any(isinstance(x, ti.TensorProxy) for x in operands)
-
-
-def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enabled: bool) -> None:
-    """Refuse, at trace time, the in-place writes into views whose result would be silently wrong."""
+def _check_destination(name: str, a: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse, at trace time, a write into a view that DTensor computed on gathered data (eager loses it)."""
     view = _view_made_by(a) if isinstance(a, DTensorProxy) else None
-    if view is None:
-        return
-    gathered = _gathering_view(view, a)
+    gathered = _gathering_view(view, a) if view is not None else None
     if gathered is not None:
         raise DTensorOpError(
             name,
@@ -242,18 +235,6 @@ def _check_destination(name: str, a: Any, args: tuple, kwargs: dict, grad_enable
             "a copy, so the write would not reach the viewed DTensor (eager DTensor loses it silently)",
             hint="write out of place (torch.cat / torch.where), or redistribute the viewed DTensor to Replicate "
             "before taking the view",
-        )
-    if grad_enabled and a.requires_grad and not _gradient_passes_through(name, args, kwargs):
-        raise DTensorOpError(
-            name,
-            (a, *args),
-            kwargs,
-            "an in-place write into a view of a DTensor that requires grad, other than add_ / sub_ of a number: "
-            "thunder 0.2.6's autodiff gets it wrong (for plain "
-            "tensors too: it does not model that the write changes the viewed tensor, so mul_ into a view gives "
-            "wrong gradients, and y[:, 1:].add_(b) loses b's gradient when only y is read afterwards)",
-            hint="write out of place (y = torch.cat([y[:, :1] * 0.5, y[:, 1:]], 1), torch.where), or write "
-            "into the viewed DTensor itself, or run this part under torch.no_grad()",
         )
 
 
@@ -275,7 +256,7 @@ def _define_inplace_symbol(name: str, value_of: Callable, *, snapshot: bool) -> 
 
     def inplace(a, *args, **kwargs):
         grad_enabled = ti.grad_enabled_while_tracing()
-        _check_destination(name, a, args, kwargs, grad_enabled)
+        _check_destination(name, a, args, kwargs)
         source = dtensor_snapshot_prim(a) if snapshot and grad_enabled and isinstance(a, DTensorProxy) else a
         return dtensor_copy__prim(value_of(source, *args, **kwargs), a, grad_enabled=grad_enabled)
 
@@ -419,6 +400,135 @@ def _register_inplace_dropout() -> int:
     maybe = _MaybeInPlace(torch.nn.functional.dropout, 3, existing.dtensor_symbol, in_place=in_place)
     register_function_for_dtensor(torch.nn.functional.dropout, maybe)
     return 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writes into views whose gradients matter, made functional (``_integration/functionalize.py``)
+# ---------------------------------------------------------------------------------------------------------
+def _dtensor_call(torch_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    symbol = dtensor_callable_for(torch_fn)
+    assert symbol is not None, torch_fn  # (every torch function the rewrite calls has a route)
+    return symbol(*args, **kwargs)
+
+
+def _dtensor_view_name(bsym: ti.BoundSymbol) -> str | None:
+    """The torch name of the view a dtensor bound symbol takes (``getitem``, ``t``, ``mT``), or None."""
+    if not ti.may_return_views(bsym.sym):
+        return None
+    record = PRIMS.get(bsym.sym.name)
+    torch_fn = record.runtime_fn if record is not None else torch_function_of_symbol(bsym.sym)
+    name = getattr(torch_fn, "__name__", None) or bsym.sym.name.removeprefix("dtensor_").removesuffix("_prim")
+    return ti.normalized_view_name(name)
+
+
+def _in_placements_of(value: DTensorProxy, like: DTensorProxy) -> DTensorProxy:
+    """``value`` in ``like``'s placements: a write keeps the written DTensor's placements (eager's in-place op)."""
+    if tuple(value.placements) == tuple(like.placements):
+        return value
+    return _dtensor_call(ti.DTensor.redistribute, value, like.device_mesh, tuple(like.placements))
+
+
+def _copied(src: Any, like: DTensorProxy) -> DTensorProxy:
+    """``src`` as ``like.copy_(src)`` writes it (``like``'s spec; eager's copy_ gradient: the destination's
+    placements, reduced to the source's shape and dtype), into a new DTensor."""
+    return dtensor_copy__prim(src, _dtensor_call(torch.empty_like, like), grad_enabled=False)
+
+
+def _write_into_input(destination: DTensorProxy, value: DTensorProxy) -> Any:
+    return INPLACE_SYMBOLS["copy_"](destination, value)
+
+
+def _refuse_write(bsym: ti.BoundSymbol, why: str) -> None:
+    raise DTensorOpError(
+        bsym.sym.name.removeprefix("dtensor_"),
+        bsym.args,
+        bsym.kwargs,
+        f"an in-place write into a view of a DTensor whose gradient matters, through a view that cannot be "
+        f"written back into the viewed DTensor out of place ({why})",
+        hint="write out of place (torch.cat / torch.where), or run this part under torch.no_grad()",
+    )
+
+
+def _slice_key(ndim: int, dim: int, start: int | None, end: int | None, step: int) -> tuple:
+    return (slice(None),) * (dim % ndim) + (slice(start, end, step),)
+
+
+def _slice_of(t: Any, dim: int, start: int | None, end: int | None, step: int) -> Any:
+    return t[_slice_key(t.ndim, dim, start, end, step)]
+
+
+def _with_part_zeroed(view: Callable, scatter: Callable) -> Callable:
+    """``g`` with the part ``view(g, *args)`` zeroed, as eager's backward of a write into a view computes it (a copy
+    of the gradient, that view of it zeroed in place): its placements stay the gradient's (a Partial one too).
+    Where DTensor takes that view on gathered data (a copy: zeroing it would change nothing), zeros are scattered
+    into the gradient out of place instead (``scatter``)."""
+
+    def zeroed(g: Any, *args: Any) -> Any:
+        out = _fresh_copy(g)
+        part = view(out, *args)
+        if not ti.local_shards_alias(part, out):
+            return scatter(g, torch.zeros_like(part), *args)
+        part.zero_()
+        return out
+
+    return zeroed
+
+
+_ZEROES_IN_PLACE = "zeroes part of a copy of the gradient in place, as eager's backward does"
+dtensor_zero_slice_prim = define_dtensor_prim(
+    "zero_slice",
+    _with_part_zeroed(_slice_of, torch.slice_scatter),
+    differentiable=False,
+    not_lowered=_ZEROES_IN_PLACE,
+)
+dtensor_zero_select_prim = define_dtensor_prim(
+    "zero_select",
+    _with_part_zeroed(torch.select, torch.select_scatter),
+    differentiable=False,
+    not_lowered=_ZEROES_IN_PLACE,
+)
+dtensor_zero_diagonal_prim = define_dtensor_prim(
+    "zero_diagonal",
+    _with_part_zeroed(torch.diagonal, torch.diagonal_scatter),
+    differentiable=False,
+    not_lowered=_ZEROES_IN_PLACE,
+)
+
+
+def _slice_scatter_vjp(g, out, base, src, dim=0, start=None, end=None, step=1):
+    # eager's backward of a write into a slice: the gradient with the slice zeroed, and the slice of it
+    grad_src = _dtensor_call(torch.Tensor.__getitem__, g, _slice_key(g.ndim, dim, start, end, step))
+    return dtensor_zero_slice_prim(g, dim, start, end, step), grad_src
+
+
+def _select_scatter_vjp(g, out, base, src, dim, index):
+    return dtensor_zero_select_prim(g, dim, index), _dtensor_call(torch.select, g, dim, index)
+
+
+def _diagonal_scatter_vjp(g, out, base, src, offset=0, dim1=0, dim2=1):
+    grad_src = _dtensor_call(torch.diagonal, g, offset, dim1, dim2)
+    return dtensor_zero_diagonal_prim(g, offset, dim1, dim2), grad_src
+
+
+# Dedicated rules: the generic one runs the scatter's backward on replicated inputs (DTensor has no sharding rule
+# for the pair), gathering every sharded gradient; these are eager's formulas, each op sharded as DTensor shards it.
+for _scatter, _vjp in (
+    (torch.slice_scatter, _slice_scatter_vjp),
+    (torch.select_scatter, _select_scatter_vjp),
+    (torch.diagonal_scatter, _diagonal_scatter_vjp),
+):
+    define_vjp(fallback_prim(_scatter))(_vjp)
+
+
+#: how writes into views of DTensors are made functional: the package's dtensor symbols
+DTENSOR_VIEW_WRITES = ti.ViewWriteEmitter(
+    call=_dtensor_call,
+    view_name=_dtensor_view_name,
+    write_into_input=_write_into_input,
+    keep_layout=_in_placements_of,
+    copied=_copied,
+    refuse=_refuse_write,
+)
 
 
 def dtensor_alias_proxy(p: DTensorProxy) -> DTensorProxy:

@@ -463,10 +463,17 @@ class _Generator:
     """
 
     def __init__(
-        self, rng: random.Random, seed: int, world_size: int, mesh_shape: tuple[int, ...], thunderfx_share: float = 0.0
+        self,
+        rng: random.Random,
+        seed: int,
+        world_size: int,
+        mesh_shape: tuple[int, ...],
+        thunderfx_share: float = 0.0,
+        view_writes: float = 0.0,
     ):
         self.rng = rng
         self.thunderfx_share = thunderfx_share
+        self.view_writes = view_writes
         self.seed = seed
         self.world_size = world_size
         self.mesh_shape = mesh_shape
@@ -597,7 +604,8 @@ class _Generator:
     def build(self) -> Program | None:
         self.first_input()
         self.n_ops = n_ops = self.rng.randint(_MIN_OPS, _MAX_OPS)
-        builders, weights = zip(*_BUILDERS)
+        # (last and of weight 0 unless asked: every seed draws the program it drew before writes into views existed)
+        builders, weights = zip(*_BUILDERS, (_op_write_into_view, self.view_writes))
         for _ in range(200):
             if len(self.steps) >= n_ops or self.ndim == 0:  # a 0-dim value (a loss) ends the chain
                 break
@@ -1001,6 +1009,59 @@ def _op_inplace(g: _Generator) -> _Candidate:
     return [("clone", "y = y.clone()", _SAME), ("inplace", line, _SAME)]
 
 
+def _view_to_write(g: _Generator) -> tuple[str, tuple[int, ...]] | None:
+    """A view of the running value that an in-place op can write through (slice, narrow, select, transpose, or
+    a transpose of a slice), and its shape."""
+    d = g.rng.randrange(g.ndim)
+    shape, size, k = list(g.shape), g.shape[d], g.rng.random()
+    if k < 0.3 and size >= 2:
+        a = g.rng.randrange(size - 1)
+        b = g.rng.randint(a + 1, size)
+        shape[d] = b - a
+        return f"y[{':, ' * d}{a}:{b}]", tuple(shape)
+    if k < 0.5 and size >= 2:
+        start = g.rng.randrange(size - 1)
+        length = g.rng.randint(1, size - start)
+        shape[d] = length
+        return f"y.narrow({d}, {start}, {length})", tuple(shape)
+    if k < 0.7 and g.ndim >= 2:
+        i = g.rng.randrange(size)
+        del shape[d]
+        return (f"y.select({d}, {i})" if g.rng.random() < 0.5 else f"y[{':, ' * d}{i}]"), tuple(shape)
+    if g.ndim < 2:
+        return None
+    view = "y"
+    if size >= 2 and g.rng.random() < 0.5:
+        start = g.rng.randrange(1, size)
+        view, shape[d] = f"y[{':, ' * d}{start}:]", size - start
+    shape[0], shape[-1] = shape[-1], shape[0]
+    return f"{view}.transpose(0, -1)", tuple(shape)
+
+
+def _op_write_into_view(g: _Generator) -> _Candidate:
+    """An in-place op into a view of (a clone of) the running value: ``mul_`` / ``add_`` of a tensor, ``copy_``,
+    ``index_put_``, ``masked_fill_`` or ``mul_`` of a number; then the running value, and sometimes the view, read
+    again. Drawn only where asked (``view_writes``)."""
+    drawn = _view_to_write(g)
+    if drawn is None:
+        return None
+    view, shape = drawn
+    operand_shape = shape[g.rng.randrange(len(shape)) :] if shape and g.rng.random() < 0.3 else shape
+    op = g.rng.choice(["mul_", "add_", "copy_", "index_put_", "masked_fill_", "mul_number"])
+    if op in ("mul_", "add_", "copy_"):
+        write = f"v.{op}({g.new_input('o', operand_shape)})"
+    elif op == "index_put_" and shape:
+        # every index gets the same row: repeated indices write the same value, as in torch
+        ids = g.new_int_input("i", (g.rng.randint(1, 3),), shape[0])
+        write = f"v.index_put_(({ids},), {g.new_input('o', shape[1:])})"
+    elif op == "masked_fill_":
+        write = f"v.masked_fill_({g.new_input('m', shape, requires_grad=False)} > 0, 0.25)"
+    else:
+        write = "v.mul_(0.5)"
+    read = "; y = y * v.mean()" if g.rng.random() < 0.3 else ""
+    return [("clone", "y = y.clone()", _SAME), ("view-write", f"v = {view}; {write}{read}", _SAME)]
+
+
 def _random_placements_source(g: _Generator) -> str:
     placements = []
     for _ in g.mesh_shape:
@@ -1239,19 +1300,27 @@ _BUILDERS: list[tuple[Callable[[_Generator], _Candidate], float]] = [
 
 
 def generate_program(
-    seed: int, world_size: int, mesh_shape: Sequence[int] | None = None, *, thunderfx_share: float = 0.0
+    seed: int,
+    world_size: int,
+    mesh_shape: Sequence[int] | None = None,
+    *,
+    thunderfx_share: float = 0.0,
+    view_writes: float = 0.0,
 ) -> Program:
-    """The program of ``seed``: a function of the seed, world size and mesh shape only (the same on every rank).
+    """The program of ``seed``: a function of the seed, world size, mesh shape and ``view_writes`` only (the same on
+    every rank).
 
     ``thunderfx_share``: the share of programs that read no values into Python that run under thunderfx too (those
     that read values always do); it changes no program's ops. thunderfx compiles cost about two programs' time.
+    ``view_writes``: the weight of in-place writes into views among the op builders (others weigh 1 to 6); 0,
+    the default, draws none and leaves every seed's program as it was.
     """
     mesh_shape = tuple(mesh_shape or (world_size,))
     if math.prod(mesh_shape) != world_size:
         raise ValueError(f"mesh {mesh_shape} does not have {world_size} ranks")
     rng = random.Random(f"thunder_dtensor.fuzz/{seed}/{world_size}/{mesh_shape}")
     for _ in range(50):
-        program = _Generator(rng, seed, world_size, mesh_shape, thunderfx_share).build()
+        program = _Generator(rng, seed, world_size, mesh_shape, thunderfx_share, view_writes).build()
         if program is not None:
             return program
     raise RuntimeError(f"no valid program drawn for seed {seed}")
@@ -2134,7 +2203,7 @@ def _step_groups(steps: Sequence[Step]) -> list[list[int]]:
     read and the op after it that takes it."""
     groups, i = [], 0
     while i < len(steps):
-        if steps[i].kind == "clone" and i + 1 < len(steps) and steps[i + 1].kind == "inplace":
+        if steps[i].kind == "clone" and i + 1 < len(steps) and steps[i + 1].kind in ("inplace", "view-write"):
             size = 2
         elif steps[i].defines and i + 1 < len(steps) and re.search(rf"\b{steps[i].defines}\b", steps[i + 1].line):
             size = 2  # a number read and the op that takes it
@@ -2235,13 +2304,15 @@ def fuzz(
     on_result: Callable[[ProgramResult], None] | None = None,
     minimize_failures: bool = False,
     thunderfx_share: float = 0.0,
+    view_writes: float = 0.0,
 ) -> FuzzSummary:
     """Generate and run the programs of ``seeds`` on every rank (call under torchrun, after init_distributed).
 
     After each program the ranks compare their outcomes (all_gather_object): a difference is a
     ``rank-divergence`` failure and ends the run, as do the time limit (any rank past it) and, if asked, a failure.
     ``minimize_failures``: then the smallest program of each failure signature is made smaller (:func:`minimize`;
-    a few seconds per signature, not counted in the time limit). ``thunderfx_share``: see :func:`generate_program`.
+    a few seconds per signature, not counted in the time limit). ``thunderfx_share``, ``view_writes``: see
+    :func:`generate_program`.
     """
     from thunder_dtensor.testing import world_size
 
@@ -2251,7 +2322,7 @@ def fuzz(
     for seed in seeds:
         mesh_shape = mesh_shape_for(seed, ws, mesh)
         try:
-            program = generate_program(seed, ws, mesh_shape, thunderfx_share=thunderfx_share)
+            program = generate_program(seed, ws, mesh_shape, thunderfx_share=thunderfx_share, view_writes=view_writes)
             result = run_program(program)
         except Exception as error:  # the harness itself: recorded as a failure of its own
             program = Program(seed, ws, mesh_shape, "float32", (InputSpec("x", (1,), ("R",), False, 0),), (), 0)

@@ -11,7 +11,8 @@ each with its own modules (soft-capped logits, fused projections, shared experts
    it does not, the architecture is "eager TP fails" and not held against thunder;
 3. under each front end (``thunder.jit``, thunderfx) the TP model trains the same 2 steps: the loss, the logits
    and every gradient must match the reference, elementwise and by a relative-norm test;
-4. for one architecture per family, greedy ``generate()`` with a jitted forward gives the reference's tokens.
+4. for one architecture per family, greedy ``generate()`` with a compiled forward and transformers' default KV
+   cache gives the reference's tokens.
 
 A failure is then classified: the same check runs with plain thunder (the same front end) on the unsharded
 one-process model; if it fails the same way, the failure is thunder's own, otherwise ours. Every rank runs the
@@ -33,6 +34,7 @@ import re
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CACHES",
     "FRONTENDS",
     "Arch",
     "Mismatch",
@@ -50,6 +53,7 @@ __all__ = [
     "Reference",
     "Tolerances",
     "check_generate",
+    "generate_tokens",
     "check_training",
     "discover",
     "format_table",
@@ -400,8 +404,9 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _forward_kwargs(frontend: str) -> dict[str, Any]:
-    # thunder.jit cannot trace transformers' KV cache (thunder 0.2.6, also unsharded): no cache. thunderfx runs the
-    # model's default (plain thunderfx fails on the one-process Mixtral without the cache, in thunder's alias pass)
+    # a training step needs no KV cache: none under thunder.jit (the cache would only add the cache's writes to the
+    # program; generate() checks the cache). thunderfx runs the model's default (plain thunderfx fails on the
+    # one-process Mixtral without the cache, in thunder's alias pass)
     return {} if frontend == "thunderfx" else {"use_cache": False}
 
 
@@ -614,29 +619,59 @@ def _split_op(reason: Any) -> str:
     return target[:60]
 
 
-def reference_tokens(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    return _generate(model, prompt, max_new_tokens)
+#: the KV caches ``generate()`` is checked with: transformers' default (``DynamicCache``, grown by ``torch.cat``),
+#: ``StaticCache`` (preallocated, written with ``index_copy_``) and none (every step recomputes the prefix)
+CACHES = ("dynamic", "static", "none")
 
 
-def _generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+def reference_tokens(
+    model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, cache: str = "dynamic", seed: int | None = None
+) -> torch.Tensor:
+    return generate_tokens(model, prompt, max_new_tokens, cache, seed)
+
+
+def generate_tokens(
+    model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, cache: str = "dynamic", seed: int | None = None
+) -> torch.Tensor:
+    """``model.generate()``: greedy, or sampling from the whole distribution after ``torch.manual_seed(seed)``
+    (the same on every rank, so every rank draws the same tokens); with the KV cache ``cache`` (:data:`CACHES`)."""
     model.eval()
+    kwargs: dict[str, Any] = {"use_cache": False} if cache == "none" else {}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    if seed is not None:
+        torch.manual_seed(seed)
+        kwargs.update(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    else:
+        kwargs["do_sample"] = False
     return model.generate(  # type: ignore[operator]  # (a transformers model's)
         prompt,
         attention_mask=torch.ones_like(prompt),
         max_new_tokens=max_new_tokens,
-        do_sample=False,
-        use_cache=False,
         pad_token_id=PAD_ID,
+        **kwargs,
     )
 
 
-def check_generate(model: torch.nn.Module, frontend: str, prompt: torch.Tensor, expected: torch.Tensor) -> None:
-    """Greedy ``generate()`` of ``model`` with its forward under ``frontend`` (no KV cache) must give ``expected``."""
-    if frontend != "eager":
+_COMPILED_FOR_GENERATE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def check_generate(
+    model: torch.nn.Module,
+    frontend: str,
+    prompt: torch.Tensor,
+    expected: torch.Tensor,
+    cache: str = "dynamic",
+    seed: int | None = None,
+) -> None:
+    """``generate()`` of ``model`` with its forward under ``frontend`` (as transformers' docs compile it) and the
+    KV cache ``cache`` must give ``expected``."""
+    if frontend != "eager" and model not in _COMPILED_FOR_GENERATE:  # (one compiled forward per model)
         model.forward = _compile(model.forward, frontend)
+        _COMPILED_FOR_GENERATE.add(model)
     error = None
     try:
-        tokens = _generate(model, prompt, expected.shape[-1] - prompt.shape[-1])
+        tokens = generate_tokens(model, prompt, expected.shape[-1] - prompt.shape[-1], cache, seed)
         if not torch.equal(tokens, expected):
             raise Mismatch("generate", f"tokens {tokens.tolist()}, expected {expected.tolist()}")
     except Mismatch as mismatch:

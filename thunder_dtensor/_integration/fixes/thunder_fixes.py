@@ -456,6 +456,152 @@ def interpret_itertools_chain() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# torch.cat's empty-vector rule
+# ---------------------------------------------------------------------------------------------------------
+def _is_empty_vector(t: Any) -> bool:
+    return isinstance(t, TensorProxy) and tuple(t.shape) == (0,)
+
+
+@installer("thunder-fix", "torch.cat skips empty 1-D tensors beside tensors of more dims, as torch does")
+def skip_empty_vectors_in_cat() -> None:
+    """torch's ``cat`` ignores a tensor of shape ``(0,)`` among tensors of more dims (a legacy rule: an empty
+    vector is the neutral start of a concatenation); thunder 0.2.6 checks its dims like any other's and fails:
+    ``IndexError: Expected dimension in inclusive range of -1 and 0: got -2``. transformers' default KV cache
+    (``DynamicCache``) starts every layer from ``torch.tensor([])`` and appends with ``torch.cat(..., dim=-2)``,
+    so ``generate()`` with a cache failed under ``thunder.jit``. The empty vectors are dropped after type
+    promotion (they take part in it, as in torch) and before the dims are checked."""
+    from thunder import clang
+
+    original = clang.cat
+
+    def cat(tensors: Any, dim: int) -> Any:
+        if active("skip_empty_vectors_in_cat") and any(_is_empty_vector(t) for t in tensors):
+            kept = [t for t in tensors if not _is_empty_vector(t)]
+            if kept and any(t.ndim > 1 for t in kept):
+                dtypes = {t.dtype for t in tensors}
+                if len(dtypes) > 1:  # promote over all, as torch, then drop the empty ones
+                    from thunder.core import utils
+
+                    _, dtype = utils.elementwise_type_promotion(
+                        *tensors, type_promotion_kind=utils.ELEMENTWISE_TYPE_PROMOTION_KIND.PRESERVE
+                    )
+                    kept = [t if t.dtype == dtype else clang.maybe_convert_to_dtype(t, dtype) for t in kept]
+                return original(kept, dim)
+        return original(tensors, dim)
+
+    patch(clang, "cat", cat, expects=expects_function("thunder.clang", "tensors", "dim"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Slices that reach before the start of a dim
+# ---------------------------------------------------------------------------------------------------------
+def _clamped(entry: slice, length: int) -> slice:
+    """``entry`` with a start or stop before the dim's first element moved to it, as Python's and torch's slicing
+    do (``x[-7:]`` of a length-6 dim is all of it)."""
+
+    def clamp(bound: Any) -> Any:
+        return 0 if isinstance(bound, int) and bound < -length else bound
+
+    return slice(clamp(entry.start), clamp(entry.stop), entry.step)
+
+
+def _with_clamped_slices(shape: tuple[int, ...], key: list) -> list:
+    """``key`` (thunder's basic index: numbers, slices and None, one dim each but None) with each slice clamped
+    to its dim."""
+    clamped, dim = [], 0
+    for entry in key:
+        if entry is not None:
+            if isinstance(entry, slice) and dim < len(shape):
+                entry = _clamped(entry, shape[dim])
+            dim += 1
+        clamped.append(entry)
+    return clamped
+
+
+@installer("thunder-fix", "a slice whose start or stop reaches before a dim's start is clamped, as torch does")
+def clamp_slices_as_torch_does() -> None:
+    """``x[:, -7:]`` on a dim of length 6 is the whole dim in torch; thunder 0.2.6 raises ``RuntimeError: start=-7
+    is not a valid index for length 6``. transformers slices its attention mask with the sliding window's
+    length (``mask[:, -window:]``), longer than a short prompt: Mixtral's ``generate()`` with a cache failed."""
+    from thunder import clang
+
+    original = clang._basic_indexing
+
+    def basic_indexing(a: Any, /, key: Any) -> Any:
+        if active("clamp_slices_as_torch_does") and isinstance(key, list):
+            key = _with_clamped_slices(tuple(a.shape), key)
+        return original(a, key)
+
+    patch(clang, "_basic_indexing", basic_indexing, expects=expects_function("thunder.clang", "a", "key"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.tensor(..., dtype=int)
+# ---------------------------------------------------------------------------------------------------------
+#: the dtype torch gives a Python type passed as ``dtype=``
+_DTYPE_OF_PYTHON_TYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+@installer("thunder-fix", "torch.tensor(data, dtype=int) takes a Python type as torch does")
+def take_python_types_as_tensor_dtypes() -> None:
+    """``torch.tensor([-1], dtype=int)`` is an int64 tensor in torch; thunder 0.2.6 raises ``ValueError: <class
+    'int'> had an unexpected type <class 'type'>``. transformers' sliding-window static cache builds its index
+    this way: Mixtral's ``generate()`` with ``cache_implementation="static"`` failed."""
+    from thunder import clang
+
+    original = clang.tensor_from_sequence
+
+    def tensor_from_sequence(sequence: Any, *, dtype: Any = None, device: Any = None) -> Any:
+        if active("take_python_types_as_tensor_dtypes") and dtype in _DTYPE_OF_PYTHON_TYPE:
+            dtype = _DTYPE_OF_PYTHON_TYPE[dtype]
+        return original(sequence, dtype=dtype, device=device)
+
+    patch(clang, "tensor_from_sequence", tensor_from_sequence, expects=expects_function("thunder.clang", "sequence"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scaled_dot_product_attention(..., enable_gqa=True)
+# ---------------------------------------------------------------------------------------------------------
+def _sdpa_with_grouped_heads(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> Any:
+    """SDPA where ``key`` / ``value`` may have fewer heads than ``query`` (a divisor of them): each k / v head
+    serves ``heads // kv_heads`` consecutive query heads, as torch's ``enable_gqa``."""
+    if enable_gqa and key.ndim >= 3 and query.shape[-3] != key.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key = ltorch.repeat_interleave(key, groups, -3)
+        value = ltorch.repeat_interleave(value, groups, -3)
+    return ltorch.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+
+
+@installer("thunder-fix", "scaled_dot_product_attention takes enable_gqa, as torch's")
+def take_grouped_query_attention_in_sdpa() -> None:
+    """``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` (k / v with fewer heads than q) raises
+    ``TypeError: ... unexpected keyword argument 'enable_gqa'`` in thunder 0.2.6. transformers passes it whenever
+    no mask is given and the model groups its kv heads (a Llama prefill with a static cache): ``generate()`` failed.
+    The kv heads are repeated to the query's (the gradient sums them back), then thunder's SDPA runs."""
+    from thunder.core import jit_ext
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    grouped = jit_ext.interpreter_needs_wrap(_sdpa_with_grouped_heads)
+
+    def lookaside(*args: Any, **kwargs: Any) -> Any:  # (wrapped values)
+        if "enable_gqa" in kwargs and jit_ext.unwrap(kwargs["enable_gqa"]):
+            return grouped(*args, **kwargs)
+        kwargs.pop("enable_gqa", None)  # False: torch's default
+        return jit_ext._general_jit_lookaside_map[sdpa](*args, **kwargs)  # thunder's (with the sdpa_kernel check)
+
+    add_scoped_lookaside("take_grouped_query_attention_in_sdpa", sdpa, lookaside)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Attribute writes on a captured object that thunder recorded only in part
 # ---------------------------------------------------------------------------------------------------------
 @installer("thunder-fix", "the epilogue replays the state a program leaves, not a stale or a restoring write")
@@ -471,11 +617,23 @@ def replay_the_state_the_program_leaves() -> None:
     * a write that puts back the value the program read from the same slot (transformers swaps a module's
       parameters for local tensors around a no-grad forward, then restores them) is replayed as a write of the
       module's ``_parameters``, which thunder does not support: ``NotImplementedError: Modifications of ...
-      _parameters are not supported``. Such a key is left as it was: nothing to replay.
+      _parameters are not supported``. Such a key is left as it was: nothing to replay;
+    * of an object's attributes it records the first write only (the later ones go to the traced copy of its
+      ``__dict__`` unrecorded), so the others were silently lost: transformers' ``StaticCache`` layer sets
+      ``device``, then its ``keys`` / ``values`` tensors and ``is_initialized`` in the prefill, and kept only
+      ``device`` (every decode step then ran on an empty cache: wrong tokens). Every attribute the traced copy
+      holds with a new value that thunder can write back (a tensor or number proxy, a number, None, a device,
+      a tuple) is replayed;
+    * a buffer of the root module reassigned in the program (``self.steps = self.steps + 1``) is written back
+      under the name ``".steps"``, which no buffer has: the module kept the old value, silently.
     """
     from thunder.core import interpreter, jit_ext
 
     constants = (type(None), bool, int, float, str)
+    from thunder.core.devices import Device
+    from thunder.core.proxies import NumberProxy, TensorProxy
+
+    replayable = (TensorProxy, NumberProxy, Device, tuple)
     store = interpreter.PseudoInst.STORE_SUBSCR
 
     def read_from_the_slot(value: Any, written: Any, name: Any) -> bool:
@@ -487,6 +645,47 @@ def replay_the_state_the_program_leaves() -> None:
             and history.inputs[1].inst is interpreter.PseudoInst.CONSTANT
             and history.inputs[1].value == name
         )
+
+    def is_attribute_dict(written: Any) -> bool:
+        provenance = written.provenance
+        return (
+            provenance.inst is interpreter.PseudoInst.LOAD_ATTR
+            and provenance.inputs[1].inst is interpreter.PseudoInst.CONSTANT
+            and provenance.inputs[1].value == "__dict__"
+        )
+
+    def read_from_the_object(current: Any, written: Any, name: str) -> bool:
+        history = getattr(current, "history", None)
+        owner = written.provenance.inputs[0]
+        return (
+            isinstance(history, interpreter.ProvenanceRecord)
+            and history.inst in (interpreter.PseudoInst.LOAD_ATTR, interpreter.PseudoInst.BINARY_SUBSCR)
+            and history.inputs[0] in (owner, written.provenance)
+            and history.inputs[1].inst is interpreter.PseudoInst.CONSTANT
+            and history.inputs[1].value == name
+        )
+
+    def unrecorded_attribute_writes(written: Any, held: dict, recorded: dict) -> list[tuple[str, Any]]:
+        original = written.original_value
+        if original is written.nothing or not isinstance(original, dict):
+            return []
+        writes = []
+        for name, current in held.items():
+            if name in recorded or (name in original and original[name] is current):
+                continue
+            if read_from_the_object(current, written, name):
+                continue
+            if isinstance(current, replayable) or (
+                isinstance(current, (int, float, type(None))) and original.get(name, object()) != current
+            ):
+                writes.append((name, current))
+        return writes
+
+    def name_root_buffers_plainly(bsym: Any) -> Any:
+        if bsym.sym.id != prims.PrimIDs.PACK_BUFFER or not str(bsym.args[1]).startswith("."):
+            return bsym
+        module, name, value = bsym.args
+        return bsym.from_bsym(args=(module, name[1:], value))
 
     def process(ctx: Any, epilogue_trace: Any) -> Any:
         if not active("replay_the_state_the_program_leaves"):
@@ -507,9 +706,16 @@ def replay_the_state_the_program_leaves() -> None:
                 elif current is not value.value and isinstance(current, constants):
                     replayed = types.SimpleNamespace(value=current)
                     records.append((store, written, key, replayed))
+            if is_attribute_dict(written):
+                for name, current in unrecorded_attribute_writes(written, held, last):
+                    records.append(
+                        (store, written, types.SimpleNamespace(value=name), types.SimpleNamespace(value=current))
+                    )
             if not records:
                 del ctx._additional_outputs[written]
-        return original(ctx, epilogue_trace)
+        result = original(ctx, epilogue_trace)
+        epilogue_trace.bound_symbols[:] = [name_root_buffers_plainly(b) for b in epilogue_trace.bound_symbols]
+        return result
 
     original = jit_ext.process_recorded_modifications
     patch(
@@ -920,3 +1126,39 @@ def keep_complex_tensors_out_of_torch_compile_regions() -> None:
     inherited = expects_qualified("thunder.extend.Executor.can_execute", "self", "bsym")
     scoped = switched("keep_complex_tensors_out_of_torch_compile_regions", real_tensors_only, can_execute)
     patch(TorchCompileExecutor, "can_execute", scoped, expects=inherited)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writes into views of tensors that require grad
+# ---------------------------------------------------------------------------------------------------------
+def _plain_tensor(p: Any) -> bool:
+    return type(p) is TensorProxy  # (DTensor proxies are the package's own, rewritten with its own emitter)
+
+
+@installer("thunder-fix", "a write into a view of a tensor that requires grad gets eager's values and gradients")
+def functionalize_writes_into_views_that_require_grad() -> None:
+    """thunder 0.2.6 differentiates a write into a view as if the viewed tensor kept its old value:
+    ``y = x.clone(); y[:, 1:].mul_(0.5); return y * 3`` gives ``x`` the gradient 3 everywhere (eager: 1.5 in the
+    written columns), and ``y[:, 1:].add_(b); return y * 2`` gives ``b`` no gradient. Before thunder's alias
+    pass, such a write becomes an out-of-place update of the viewed tensor (``_integration/functionalize.py``),
+    each later read of it or of its views reading the update; installed last, around the package's pass."""
+    from thunder_dtensor._integration.functionalize import functionalize_writes_into_views, plain_emitter
+
+    import thunder.core.update_aliases as update_aliases
+
+    emitter = plain_emitter()
+    name = "functionalize_writes_into_views_that_require_grad"
+
+    def emitter_for(p: Any) -> Any:
+        return emitter if _plain_tensor(p) else None
+
+    for holder in (update_aliases, thunder):  # thunder.__init__ calls it by the name it imported
+        previous = holder.insert_alias_updates
+
+        def insert_alias_updates(trace: Any, alias_tensor_indices: list, _previous: Callable = previous) -> Any:
+            if active(name):
+                trace = functionalize_writes_into_views(trace, emitter_for)
+            return _previous(trace, alias_tensor_indices)
+
+        expects = expects_function(("thunder.core.update_aliases", "thunder_dtensor._integration"))
+        patch(holder, "insert_alias_updates", insert_alias_updates, expects=expects)

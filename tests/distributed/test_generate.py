@@ -1,0 +1,97 @@
+"""Tensor-parallel inference: transformers' ``generate()`` with a KV cache on models loaded with ``tp_plan="auto"``,
+the forward under ``thunder.jit`` (as transformers' docs compile it) or thunderfx, gives the one-process model's
+tokens, greedy and sampling (a fixed seed on every rank); with ``StaticCache`` prefill and decode are two programs
+however many tokens are generated. The unsharded model under plain thunder (its fixes switched on everywhere) gives
+them too. ``scripts/generate_check.py`` runs every case (Llama, Qwen3, Mixtral; both front ends; both caches; 2 and
+4 ranks); this file keeps the suite's time."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is the optional `hf` extra")
+
+from thunder_dtensor import fixes_everywhere  # noqa: E402
+from thunder_dtensor.testing import zoo  # noqa: E402
+
+import thunder  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+NEW_TOKENS = 3
+SEED = 7
+
+#: the real Mixtral's config has no sliding window (the zoo's tiny one has, for training): transformers' sliding
+#: window cache counts its length in a Python int, which every program specializes on (docs/tensor_parallel.md)
+OVERRIDES = {"mixtral": {"sliding_window": None}}
+
+
+@pytest.fixture(scope="module")
+def models_dir() -> str:
+    where = [tempfile.mkdtemp(prefix="thunder_dtensor_generate_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    return where[0]
+
+
+@functools.cache
+def _prepared(arch: str, where: str, cache: str) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """The tiny model (saved once) and the one-process model's tokens, greedy and sampled."""
+    path = os.path.join(where, arch)
+    with zoo.quiet():
+        if not os.path.exists(os.path.join(path, "config.json")):
+            zoo.save_tiny(arch, path, OVERRIDES.get(arch))
+        reference = zoo.load(path, False)
+        prompt = zoo.make_prompt()
+        greedy = zoo.reference_tokens(reference, prompt, NEW_TOKENS, cache)
+        sampled = zoo.reference_tokens(reference, prompt, NEW_TOKENS, cache, seed=SEED)
+    return path, greedy, sampled
+
+
+def _generate_twice(model: torch.nn.Module, frontend: str, cache: str, greedy, sampled) -> None:
+    prompt = zoo.make_prompt()
+    with zoo.quiet():
+        zoo.check_generate(model, frontend, prompt, greedy, cache)
+        zoo.check_generate(model, frontend, prompt, sampled, cache, seed=SEED)
+
+
+CASES = [
+    ("llama", "jit", "static"),
+    ("llama", "jit", "dynamic"),
+    ("llama", "thunderfx", "static"),
+    ("mixtral", "jit", "static"),
+]
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("arch, frontend, cache", CASES)
+def test_generate_with_a_kv_cache_gives_the_one_process_tokens(models_dir, arch, frontend, cache):
+    path, greedy, sampled = _prepared(arch, models_dir, cache)
+    model = zoo.load(path, True)
+    _generate_twice(model, frontend, cache, greedy, sampled)
+    if frontend == "jit":
+        misses = thunder.cache_misses(model.forward)
+        # static: prefill and decode, for both generations; dynamic: a program per cache length, shared by both
+        assert misses == (2 if cache == "static" else NEW_TOKENS), misses
+    else:
+        zoo._thunder_ran(model.forward, frontend)  # raises where dynamo's graphs all ran without thunder
+
+
+@pytest.mark.world_size(4)
+def test_generate_at_four_ranks(models_dir):
+    path, greedy, sampled = _prepared("llama", models_dir, "static")
+    model = zoo.load(path, True)
+    _generate_twice(model, "jit", "static", greedy, sampled)
+    assert thunder.cache_misses(model.forward) == 2
+
+
+@pytest.mark.world_size(2)
+def test_the_unsharded_model_under_plain_thunder(models_dir):
+    """What plain thunder failed on (the empty vector the dynamic cache starts from, the static cache's attributes
+    set in the prefill, ``enable_gqa``) are thunder fixes: on everywhere, the one-process model generates too."""
+    path, greedy, sampled = _prepared("llama", models_dir, "static")
+    with fixes_everywhere("all"):
+        _generate_twice(zoo.load(path, False), "jit", "static", greedy, sampled)

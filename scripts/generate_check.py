@@ -49,7 +49,7 @@ def main() -> int:
             for cache in args.caches.split(","):
                 one_process = zoo.load(path, False)
                 expected = {
-                    seed: zoo.reference_tokens(one_process, prompt, args.new_tokens, cache, seed) for seed in (None, 7)
+                    seed: zoo.generate_tokens(one_process, prompt, args.new_tokens, cache, seed) for seed in (None, 7)
                 }
                 for frontend in ("eager", *args.frontends.split(",")):
                     for sharded in (True, False) if args.unsharded and frontend != "eager" else (True,):

@@ -42,8 +42,8 @@ def _prepared(arch: str, where: str, cache: str) -> tuple[str, torch.Tensor, tor
             zoo.save_tiny(arch, path)
         reference = zoo.load(path, False)
         prompt = zoo.make_prompt()
-        greedy = zoo.reference_tokens(reference, prompt, NEW_TOKENS, cache)
-        sampled = zoo.reference_tokens(reference, prompt, NEW_TOKENS, cache, seed=SEED)
+        greedy = zoo.generate_tokens(reference, prompt, NEW_TOKENS, cache)
+        sampled = zoo.generate_tokens(reference, prompt, NEW_TOKENS, cache, seed=SEED)
     return path, greedy, sampled
 
 

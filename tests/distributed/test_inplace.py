@@ -16,6 +16,7 @@ from thunder_dtensor.testing import (
     mesh_1d,
     run_case,
 )
+from thunder_dtensor.testing.models import writes_that_overlap
 
 import pytest
 import thunder
@@ -215,17 +216,8 @@ def test_writes_into_views_that_require_grad(view, lowering):
         run_case(_view_write_case(view, write), jit_kwargs={"dtensor_lowering": lowering}, label=f"{write} into {view}")
 
 
-def _writes_that_overlap(x, b):
-    y = x * 2
-    rows, cols = y[1:3], y[:, 2:]
-    rows.mul_(b)
-    cols.t()[0].add_(1.5)  # through a view of a view, overlapping the first write
-    y.mul_(x)  # into the viewed DTensor itself: both views see it
-    return rows * 2, cols, y
-
-
 def test_writes_that_overlap_and_a_write_into_the_viewed_dtensor():
-    case = DTensorCase(_writes_that_overlap, [make_full((4, 6), seed=92), make_full((2, 6), seed=93)], [R, S0])
+    case = DTensorCase(writes_that_overlap, [make_full((4, 6), seed=92), make_full((2, 6), seed=93)], [R, S0])
     run_case(case, assert_comms=COMMS_ASSERTED, label="overlapping writes into views")
 
 

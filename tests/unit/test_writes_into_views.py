@@ -4,6 +4,7 @@ everywhere here): values, every input's gradient and the inputs written at run t
 from collections.abc import Callable
 
 import thunder_dtensor  # noqa: F401  (first: makes thunder importable on torch >= 2.13)
+from thunder_dtensor.testing.models import writes_that_overlap
 
 import pytest
 import thunder
@@ -76,19 +77,10 @@ def test_a_write_into_a_view_has_eager_values_and_gradients(view, write):
     )
 
 
-def _two_writes_and_a_write_into_the_base(x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    y = x * 2
-    rows, cols = y[1:3], y[:, 2:]
-    rows.mul_(b)
-    cols.t()[0].add_(1.5)  # through a view of a view, overlapping the first write
-    y.mul_(x)  # into the viewed tensor itself: both views see it
-    return rows * 2, cols, y
-
-
 def test_writes_that_overlap_and_a_write_into_the_viewed_tensor():
     torch.manual_seed(1)
     _compare(
-        _two_writes_and_a_write_into_the_base,
+        writes_that_overlap,
         torch.randn(4, 6, requires_grad=True),
         torch.randn(2, 6, requires_grad=True),
     )

@@ -6,6 +6,9 @@ head count from its inputs, so the same code runs whole or with heads sharded ov
 
 :class:`CausalAttention`: one causal attention layer alone (qkv projection, SDPA, output projection), the
 smallest model of context parallelism (torch's ``context_parallel`` recipe).
+
+:func:`writes_that_overlap`: writes into overlapping views and into the viewed tensor itself (plain tensors and
+DTensors alike).
 """
 
 from __future__ import annotations
@@ -179,3 +182,13 @@ class CausalAttention(nn.Module):
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+def writes_that_overlap(x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Two writes into overlapping views of ``x * 2``, then one into the viewed tensor itself: both views see it."""
+    y = x * 2
+    rows, cols = y[1:3], y[:, 2:]
+    rows.mul_(b)
+    cols.t()[0].add_(1.5)  # through a view of a view, overlapping the first write
+    y.mul_(x)
+    return rows * 2, cols, y

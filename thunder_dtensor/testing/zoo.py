@@ -624,12 +624,6 @@ def _split_op(reason: Any) -> str:
 CACHES = ("dynamic", "static", "none")
 
 
-def reference_tokens(
-    model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, cache: str = "dynamic", seed: int | None = None
-) -> torch.Tensor:
-    return generate_tokens(model, prompt, max_new_tokens, cache, seed)
-
-
 def generate_tokens(
     model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, cache: str = "dynamic", seed: int | None = None
 ) -> torch.Tensor:
@@ -863,7 +857,7 @@ def run_arch(
     def make_reference() -> Reference:
         reference = record_reference(load(path, False), batch)
         if generate:
-            reference.tokens = reference_tokens(load(path, False), prompt, max_new_tokens)
+            reference.tokens = generate_tokens(load(path, False), prompt, max_new_tokens)
         return reference
 
     reference, error = _attempt(make_reference)

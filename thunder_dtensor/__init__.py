@@ -67,7 +67,7 @@ if DISTRIBUTED_AVAILABLE:
         spec_check_prim=check_dtensor_spec_repr,
         prologue_spec_check=guards.add_prologue_spec_checks,
         backward_cotangent_check=lambda trace: prune_unused_vjp_gradients(guards.match_cotangent_specs(trace)),
-        cotangent_add=ops.pointwise.accumulate_cotangents,
+        cotangent_add=ops.inplace.accumulate_cotangents,
         bind_dtensor_zeros=ops.factories.bind_zero_cotangent,
         joint_trace_check=guards.propagate_gradient_specs,
     )
@@ -75,6 +75,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.make_isinstance_see_dtensor_proxies(DTensorProxy)
     _integration.make_placements_opaque()
     _integration.call_proxy_conversions_whole(DTensorProxy)  # bool(x) of a DTensor raises naming its placements
+    _integration.refuse_branches_on_run_time_numbers(ops.scalars.branch_refusal)  # if x.item() > 0: refused
     _integration.make_dtensor_choices_alike_on_every_rank()  # ranks choose strategies and plans alike
     _integration.read_root_module_state_from_user_module()
     _integration.dispatch_module_calls_outside_the_interpreter()  # first-call time: hook loops run in Python

@@ -96,6 +96,7 @@ class DataDependentIndexError(DataDependentValueError, TypeError):
 
 #: what a program can do instead of reading a DTensor's data into Python at trace time
 READ_AT_RUN_TIME_HINT = (
-    "read the value with x.item() (a number computed at run time), or keep it a tensor (torch.where for a "
-    "condition); thunderfx (thunder.dynamo) runs Python control flow on tensor values by splitting the graph"
+    "read the value with x.item() (a number computed at run time, for arithmetic: a branch on it is refused "
+    "too), or keep it a tensor (torch.where for a condition); thunderfx (thunder.dynamo) runs Python control "
+    "flow on tensor values by splitting the graph"
 )

@@ -39,6 +39,9 @@ class DTensorProxy(ti.TensorProxy):
         ti.use_dtensor_executors()  # the program being compiled traces a DTensor: its prims need our executors
         #: made by autodiff as the zero cotangent of a value nothing flows back to (ops/factories.py)
         self.is_zero_cotangent: bool = False
+        #: a cotangent of a write into a view made functional (ops/inplace.py): "base" (the written tensor's
+        #: cotangent with the written part zeroed) or "view" (what flowed back through the write's reads of it)
+        self.written_view_cotangent: str | None = None
 
     @property
     def device_mesh(self) -> Any:

@@ -600,3 +600,28 @@ def test_a_write_into_a_view_of_a_value_an_in_place_op_made_require_grad(lowerin
             mesh=mesh_1d(),
         )
         run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+def _scale_a_view_by_a_sharded_vector(x: torch.Tensor, o1: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    v = y.narrow(1, 0, 5)
+    v.mul_(o1)
+    return y * 2
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_a_write_into_a_view_gives_the_gradient_the_cotangents_placements(lowering):
+    """Found with writes into views drawn (``--view-writes``), seeds 1391 and 1434: ``v.mul_(o1)`` into a view of a
+    Replicate ``y`` by a sharded ``o1``: eager's backward copies the write's gradient into a copy of ``y``'s
+    cotangent, so ``x``'s gradient is Replicate; the functional form added the two parts and DTensor placed the
+    sum ``Shard(2)`` (values right)."""
+    inputs = [make_full((7, 6, 6), seed=51), make_full((6,), seed=52)]
+    case = DTensorCase(
+        _scale_a_view_by_a_sharded_vector,
+        inputs,
+        [[Replicate()], [Shard(0)]],
+        requires_grad=[True, True],
+        mesh=mesh_1d(),
+    )
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})

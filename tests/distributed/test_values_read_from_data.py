@@ -118,6 +118,26 @@ def test_item_of_a_partial_value_is_the_global_value_with_one_all_reduce():
     assert "all_reduce" in str(thunder.last_traces(jitted)[-1])
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("compared", [True, False], ids=["if s > 0", "if s"])
+def test_a_branch_on_a_number_read_at_run_time_is_refused(compared):
+    """``s = x.sum().item(); if s > 0:``: the number is known at run time only, so a trace cannot take the branch
+    (thunder alone takes ``else`` on every call, silently: the fuzzer's seed 1436 at ``--view-writes 20``);
+    thunderfx runs the branch in Python."""
+
+    def fn(x):
+        s = x.sum().item()
+        return x * 2 if (s > 0 if compared else s) else x * 3
+
+    with pytest.raises(DataDependentValueError, match="a trace cannot take a branch on it") as info:
+        thunder.jit(fn)(distribute_tensor(_FIRST, mesh_1d(), [Shard(0)]))
+    assert "hint:" in str(info.value)
+    compiled = thunderfx(fn)
+    for data in (_FIRST, -_FIRST):
+        out = compiled(distribute_tensor(data, mesh_1d(), [Shard(0)]))
+        torch.testing.assert_close(out.full_tensor(), fn(data))
+
+
 @pytest.mark.world_size(2, 4)
 def test_item_under_thunderfx():
     """thunderfx: dynamo leaves ``.item()`` to Python (a graph break), and the compiled pieces around it are

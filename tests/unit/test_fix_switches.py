@@ -6,6 +6,7 @@ works; switched off, thunder's behaviour again. The reproducers are the smallest
 import re
 
 from thunder_dtensor import _integration, fixes
+from thunder_dtensor.errors import DataDependentValueError
 
 import pytest
 import test_thunder_fixes_for_models as reproducers
@@ -96,6 +97,17 @@ def test_a_silently_lost_attribute_write_is_fixed_only_where_switched_on():
     assert not ready_after_a_call()  # plain program: thunder's behaviour
     with fixes.enabled("replay_the_state_the_program_leaves", everywhere=True):
         assert ready_after_a_call()
+
+
+def test_a_silent_branch_on_a_run_time_number_is_refused_only_where_switched_on():
+    """``if x.sum().item() > 0:``: thunder alone takes the comparison of a number without a value as False."""
+    program = reproducers._branch_on_a_read_number
+    x = torch.ones(4, 3)
+    torch.testing.assert_close(thunder.jit(program)(x), x * 3)  # plain program: thunder's else branch, silently
+    assert torch.equal(program(x), x * 2)
+    with fixes.enabled("refuse_branches_on_run_time_numbers", everywhere=True):
+        with pytest.raises(DataDependentValueError, match="a trace cannot take a branch on it"):
+            thunder.jit(program)(x)
 
 
 def test_switches_name_their_fixes():

@@ -100,6 +100,11 @@ def _append_to_an_empty_cache(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.tensor([], dtype=torch.float64), x.view(1, 4, 3)], dim=-2)
 
 
+def _branch_on_a_read_number(x: torch.Tensor) -> torch.Tensor:
+    """A branch on a number read from the data: thunder alone takes ``else`` on every call."""
+    return x * 2 if x.sum().item() > 0 else x * 3
+
+
 def _meta_stride(x: torch.Tensor) -> torch.Tensor:
     meta = torch.empty((x.shape[0], 6), device="meta")
     return x * meta.stride()[0] + meta.shape[1]

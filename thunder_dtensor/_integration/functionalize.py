@@ -86,6 +86,9 @@ class ViewWriteEmitter:
     placements: a write keeps the written tensor's). ``copied(src, like)``: what ``like.copy_(src)`` makes of
     ``src`` (a DTensor's placements, with eager's gradient: None, a broadcast and a cast). ``refuse(bsym, why)``:
     raises where a write that needs the rewrite cannot be rewritten (None: thunder's in-place form stays).
+    ``read_for_a_write(a)``: the written tensor as the write reads it (the views it writes through and the value it
+    updates are taken from it), so that what flows back through those reads reaches the tensor as one cotangent
+    (None: they read the tensor itself).
     """
 
     call: Callable[..., Any]
@@ -95,6 +98,7 @@ class ViewWriteEmitter:
     keep_layout: Callable[[Any, Any], Any] | None = None
     copied: Callable[[Any, Any], Any] | None = None
     refuse: Callable[[BoundSymbol, str], None] | None = None
+    read_for_a_write: Callable[[Any], Any] | None = None
 
 
 def _plain_call(torch_fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -440,10 +444,28 @@ class _Rewrite:
                 return False
         return True
 
+    def _read_for_a_write(self, destination: str, emitter: ViewWriteEmitter) -> dict[str, TensorProxy]:
+        """The current values of the write's destination and of the views between it and its root, each taken
+        again from ``emitter.read_for_a_write`` of the root (empty without one: they are read as they are)."""
+        if emitter.read_for_a_write is None:
+            return {}
+        root = self._root(destination)
+        values = {root: self._emit(emitter.read_for_a_write, self._current(root))}
+        names, name = [], destination
+        while name in self.derivation:
+            names.append(name)
+            name = self.derivation[name].parent
+        for name in reversed(names):
+            d = self.derivation[name]
+            taken = self._emit(d.view.sym, values[d.parent], *d.view.args[1:], **d.view.kwargs)
+            values[name] = taken[d.index] if isinstance(taken, (tuple, list)) else taken
+        return values
+
     def _rewrite_write(self, bsym: BoundSymbol, destination: str, swap: dict, emitter: ViewWriteEmitter) -> None:
         root = self._root(destination)
         self.version.setdefault(root, 0)
-        target = self._current(destination)
+        read = self._read_for_a_write(destination, emitter)
+        target = read[destination] if destination in read else self._current(destination)
         value_swap = dict(swap)
         written = bsym.flat_proxy_args[0]
         name = bsym.sym.name.removeprefix("dtensor_")
@@ -465,7 +487,9 @@ class _Rewrite:
         if value.dtype != target.dtype:
             value = self._emit(emitter.call, torch.Tensor.to, value, dtypes.to_torch_dtype(target.dtype))
         for d in self._chain(destination):
-            value = self._emit(_scatter, emitter, d.name, d.view, d.index, self._current(d.parent), value)
+            taken = d.parent != root and d.parent in read  # (the root's own cotangent: the scatter's part)
+            base = read[d.parent] if taken else self._current(d.parent)
+            value = self._emit(_scatter, emitter, d.name, d.view, d.index, base, value)
         before = self._current(root)
         whole = all(d.name not in _SUBSET_VIEWS for d in self._chain(destination))
         if whole and name in _VALUES_IGNORING_THE_DESTINATION and before.name in self.needs_grad and before.ndim > 0:

@@ -52,7 +52,14 @@ from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.ops.dropout import dtensor_dropout
 from thunder_dtensor.ops.fallback import fallback_prim
-from thunder_dtensor.ops.pointwise import dtensor_mul_prim, grad_for_operand, refusing_a_number_into_a_partial_sum
+from thunder_dtensor.ops.pointwise import (
+    accumulate_cotangents as pointwise_accumulate_cotangents,
+)
+from thunder_dtensor.ops.pointwise import (
+    dtensor_mul_prim,
+    grad_for_operand,
+    refusing_a_number_into_a_partial_sum,
+)
 from thunder_dtensor.primitive import (
     PRIMS,
     add_prim_record,
@@ -495,19 +502,70 @@ dtensor_zero_diagonal_prim = define_dtensor_prim(
 )
 
 
+def _written_view_cotangent(cotangent: Any, role: str) -> Any:
+    """Mark ``cotangent`` as one part of a functional write's cotangent (see :func:`accumulate_cotangents`)."""
+    if isinstance(cotangent, DTensorProxy):
+        cotangent.written_view_cotangent = role
+    return cotangent
+
+
 def _slice_scatter_vjp(g, out, base, src, dim=0, start=None, end=None, step=1):
     # eager's backward of a write into a slice: the gradient with the slice zeroed, and the slice of it
     grad_src = _dtensor_call(torch.Tensor.__getitem__, g, _slice_key(g.ndim, dim, start, end, step))
-    return dtensor_zero_slice_prim(g, dim, start, end, step), grad_src
+    return _written_view_cotangent(dtensor_zero_slice_prim(g, dim, start, end, step), "base"), grad_src
 
 
 def _select_scatter_vjp(g, out, base, src, dim, index):
-    return dtensor_zero_select_prim(g, dim, index), _dtensor_call(torch.select, g, dim, index)
+    grad_base = _written_view_cotangent(dtensor_zero_select_prim(g, dim, index), "base")
+    return grad_base, _dtensor_call(torch.select, g, dim, index)
 
 
 def _diagonal_scatter_vjp(g, out, base, src, offset=0, dim1=0, dim2=1):
     grad_src = _dtensor_call(torch.diagonal, g, offset, dim1, dim2)
-    return dtensor_zero_diagonal_prim(g, offset, dim1, dim2), grad_src
+    return _written_view_cotangent(dtensor_zero_diagonal_prim(g, offset, dim1, dim2), "base"), grad_src
+
+
+def _read_for_a_write(a: Any) -> Any:
+    """The written tensor as a write into a view of it reads it (a DTensor view of all of it): what flows back
+    through the reads gathers here, to be summed with the scatter's cotangent as eager sums it."""
+    return a.view_as(a)
+
+
+dtensor_read_for_a_write_prim = define_dtensor_prim(
+    "read_for_a_write",
+    _read_for_a_write,
+    not_lowered="marks the cotangent of a write's reads (a view of all of the tensor: no data moves)",
+)
+define_vjp(dtensor_read_for_a_write_prim)(lambda g, out, a: (_written_view_cotangent(g, "view"),))
+
+
+def _sum_written_view_cotangents(base: Any, view: Any) -> Any:
+    """The two parts of a functional write's cotangent summed as eager's backward sums them: it copies what flowed
+    back through the write's reads into the written part of a copy of the written tensor's cotangent, so the sum
+    has that cotangent's placements (an add would take whatever placements DTensor's rule for the add picks)."""
+    return torch.add(base, torch.empty_like(base).copy_(view))
+
+
+# A prim: the backward's specs are propagated again from the gradients that flow (guards.propagate_gradient_specs),
+# and its meta follows them where a choice made while autodiff traces the rules would not.
+dtensor_sum_written_view_cotangents_prim = define_dtensor_prim(
+    "sum_written_view_cotangents",
+    _sum_written_view_cotangents,
+    differentiable=False,
+    not_lowered="eager's copy of a write's gradient into the cotangent's placements (a Partial one too)",
+)
+
+
+def accumulate_cotangents(a: Any, b: Any) -> Any:
+    """How thunder's autodiff sums two cotangents of one value (``pointwise.accumulate_cotangents``), except the
+    two parts of a write into a view made functional: the written tensor's cotangent with the written part zeroed
+    (a scatter's rule) and what flowed back through the write's reads of it (``dtensor_read_for_a_write_prim``)."""
+    roles = (getattr(a, "written_view_cotangent", None), getattr(b, "written_view_cotangent", None))
+    if roles == ("base", "view"):
+        return dtensor_sum_written_view_cotangents_prim(a, b)
+    if roles == ("view", "base"):
+        return dtensor_sum_written_view_cotangents_prim(b, a)
+    return pointwise_accumulate_cotangents(a, b)
 
 
 # Dedicated rules: the generic one runs the scatter's backward on replicated inputs (DTensor has no sharding rule
@@ -528,6 +586,7 @@ DTENSOR_VIEW_WRITES = ti.ViewWriteEmitter(
     keep_layout=_in_placements_of,
     copied=_copied,
     refuse=_refuse_write,
+    read_for_a_write=dtensor_read_for_a_write_prim,
 )
 
 

@@ -10,13 +10,18 @@ A number read this way may flow into later DTensor ops (``x * s.item()``): they 
 eager DTensor ops, which get it at run time (``primitive.is_runtime_number``). Every other read of a DTensor's
 data into Python (``bool(x)``, ``float(x)``, ``torch.equal``, ``x.is_nonzero()``, ...) raises
 :class:`~thunder_dtensor.errors.DataDependentValueError` at trace time, where plain thunder raises for the same
-call on plain tensors (``DTensorProxy``'s conversions, and ``primitive._fake_outputs`` for ops).
+call on plain tensors (``DTensorProxy``'s conversions, and ``primitive._fake_outputs`` for ops). So does a
+branch on a number read at run time (``if s > 0:``), which thunder alone takes as ``bool(None)``: the ``else``
+branch, silently (:func:`branch_refusal`, the thunder fix ``refuse_branches_on_run_time_numbers``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_method_for_dtensor
+from thunder_dtensor.errors import DataDependentValueError
 from thunder_dtensor.ops.redistribute import dtensor_full_tensor
 from thunder_dtensor.primitive import define_dtensor_symbol
 
@@ -32,3 +37,16 @@ def dtensor_item(a):
 
 
 register_method_for_dtensor("item", dtensor_item)
+
+
+def branch_refusal(number: Any) -> DataDependentValueError:
+    """The error for ``bool(s)`` of a number the program reads from a tensor's data at run time (``if s > 0:``)."""
+    return DataDependentValueError(
+        "bool",
+        (),
+        {},
+        f"bool() of {number.name}, a number computed from a tensor's data (x.item()) whose value is known at run "
+        "time only: a trace cannot take a branch on it",
+        hint="keep the condition a tensor and choose with torch.where, or compile with thunderfx (thunder.dynamo), "
+        "which runs the branch in Python between graphs",
+    )

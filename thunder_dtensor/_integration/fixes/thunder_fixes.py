@@ -18,6 +18,7 @@ from __future__ import annotations
 # complex; programs on real tensors keep thunder's rules and traces exactly.
 # ---------------------------------------------------------------------------------------------------------
 import cmath  # noqa: E402
+import functools
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -1162,3 +1163,41 @@ def functionalize_writes_into_views_that_require_grad() -> None:
 
         expects = expects_function(("thunder.core.update_aliases", "thunder_dtensor._integration"))
         patch(holder, "insert_alias_updates", insert_alias_updates, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Branches on numbers the program computes
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "bool() of a number computed at run time (x.item()) is refused, not taken as False")
+def refuse_branches_on_run_time_numbers(refusal: Callable[[Any], Exception]) -> None:
+    """A number the program reads from a tensor (``s = x.sum().item()``) has no value at trace time; thunder 0.2.6
+    compares it all the same and converts the comparison to ``bool`` as ``bool(None)``: ``if s > 0:`` takes the
+    ``else`` branch on every call, silently (no check of the branch is kept). Where active, a conversion of such a
+    number to ``bool`` keeps it without a value, and ``bool()`` of it in the program raises ``refusal(number)`` at
+    trace time (a branch a trace cannot take)."""
+    from thunder.core import jit_ext
+    from thunder.core.proxies import NumberProxy, numberproxy
+
+    name = "refuse_branches_on_run_time_numbers"
+    convert_meta = prims.convert_element_type.meta
+
+    @functools.wraps(convert_meta)  # (traces print the symbol's module from its meta's: thunder's prims)
+    def convert_element_type_meta(a: Any, /, dtype: Any) -> Any:
+        if isinstance(a, NumberProxy) and a.value is None and active(name):
+            return numberproxy(dtype, None, constraint=a.constraint)
+        return convert_meta(a, dtype)
+
+    expects = expects_function("thunder.core.prims", "a", "dtype")
+    patch(prims.convert_element_type, "meta", convert_element_type_meta, expects=expects, frozen=True)
+
+    @jit_ext.interpreter_needs_wrap
+    def refuse(number: Any) -> bool:
+        raise refusal(number)
+
+    def bool_lookaside(wrapped: Any) -> Any:
+        value = getattr(wrapped, "value", None)
+        if isinstance(value, NumberProxy) and value.value is None:
+            return refuse(wrapped)
+        return jit_ext._general_jit_lookaside_map[bool](wrapped)  # thunder's
+
+    add_scoped_lookaside(name, bool, bool_lookaside)

@@ -2050,7 +2050,11 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
         if isinstance(eagers[0].error, RanksDisagree):  # eager DTensor in this process decides alike on every rank
             failures.append(Failure("eager", "rank-divergence", eagers[0].phase, _describe_error(eagers[0].error)))
         plain_thunder = plain_thunderfx = dynamo_alone = ""
-        if any(f.mode == "thunderfx" and f.kind == "thunder-raises-eager-runs" for f in failures):
+        # dynamo runs the DTensor program (its collectives): on every rank, or on none, whichever rank raised
+        _, thunderfx_raised = _agree(
+            None, any(f.mode == "thunderfx" and f.kind == "thunder-raises-eager-runs" for f in failures)
+        )
+        if thunderfx_raised:
             dynamo_alone = _dynamo_alone(fn, inputs_of(0))
         if failures:
             for f in failures:

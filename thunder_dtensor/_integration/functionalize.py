@@ -371,11 +371,14 @@ class _Rewrite:
         if at == version or name == root:
             return held
         d = self.derivation[name]
-        parent = self._current(d.parent)
-        taken = self._emit(d.view.sym, parent, *d.view.args[1:], **d.view.kwargs)
-        value = taken[d.index] if isinstance(taken, (tuple, list)) else taken
+        value = self._take_again(d, self._current(d.parent))
         self.current[name] = (value, version)
         return value
+
+    def _take_again(self, d: _Derivation, parent: TensorProxy) -> TensorProxy:
+        """The view ``d`` taken again, of ``parent``."""
+        taken = self._emit(d.view.sym, parent, *d.view.args[1:], **d.view.kwargs)
+        return taken[d.index] if isinstance(taken, (tuple, list)) else taken
 
     def _chain(self, name: str) -> list[_Derivation]:
         chain = []
@@ -457,8 +460,7 @@ class _Rewrite:
             name = self.derivation[name].parent
         for name in reversed(names):
             d = self.derivation[name]
-            taken = self._emit(d.view.sym, values[d.parent], *d.view.args[1:], **d.view.kwargs)
-            values[name] = taken[d.index] if isinstance(taken, (tuple, list)) else taken
+            values[name] = self._take_again(d, values[d.parent])
         return values
 
     def _rewrite_write(self, bsym: BoundSymbol, destination: str, swap: dict, emitter: ViewWriteEmitter) -> None:

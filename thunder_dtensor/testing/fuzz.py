@@ -1798,6 +1798,9 @@ def _judge(
     if ref.cotangent is not None:
         if not got.out_requires_grad:
             failures.append(Failure(mode, "grad-mismatch", at + "output", "the output does not require grad"))
+        # eager's gradient placements are the reference only where eager ran the program itself: where its forward
+        # values are wrong (a write into a view it took of gathered data is lost), it differentiated another program
+        forward_wrong = any(not w.startswith("grad ") for w in eager_wrong)
         for i, spec in enumerate(program.inputs if got.backward_ran else ()):
             want, have = ref.grads[i], got.grads[i]
             where = f"grad {spec.name}"
@@ -1810,10 +1813,6 @@ def _judge(
             if differs:
                 theirs = eager.grads[i] if eager.backward_ran else None
                 mismatch("grad-mismatch", where, differs, theirs is not None and not _close(have, theirs, tol))
-            # eager's gradient placements are the reference only where eager ran the program itself: where its
-            # forward values are wrong (a write into a view it took of gathered data is lost), it differentiated
-            # another program
-            forward_wrong = any(not w.startswith("grad ") for w in eager_wrong)
             eager_reference = not forward_wrong and where not in eager_wrong and not eager.derived_attention
             if eager.backward_ran and eager.grad_placements[i] is not None and eager_reference:
                 mine, theirs = got.grad_placements[i], eager.grad_placements[i]

@@ -52,7 +52,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import thunder_dtensor  # noqa: E402  (before thunder: makes thunder importable on torch >= 2.13)
-from thunder_dtensor.testing import device_type, init_distributed, mesh_1d  # noqa: E402
+from thunder_dtensor.testing import device_type, init_distributed, mesh_1d, shutdown_distributed  # noqa: E402
 from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_tp, llama_loss  # noqa: E402
 from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize  # noqa: E402
 
@@ -1197,8 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
         write_plot(report, out / "results.png")
         print(f"\nwall time {report['wall_s']:.0f} s; wrote {out}/results.json, results.md, results.png")
         print((out / "results.md").read_text())
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 

@@ -150,7 +150,7 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "breakdown.json").write_text(json.dumps(report, indent=2))
             (args.out / "breakdown.md").write_text(text)
-    dist.destroy_process_group()
+    bench.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import thunder_dtensor  # noqa: F401  (before thunder)
+from thunder_dtensor.testing import shutdown_distributed
 
 import thunder
 import torch
@@ -247,7 +248,7 @@ def main() -> None:
         name = f"{args.rotate}{'_mlp' if args.mlp else ''}.json"
         (out / name).write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result, indent=1))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

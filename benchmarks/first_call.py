@@ -75,7 +75,7 @@ def worker(spec: str, json_path: str) -> None:
     """Build one model variant, time its first training step (max over ranks), write it to ``json_path``."""
     t_import = time.perf_counter()
     import thunder_dtensor  # (before thunder: makes thunder importable on torch >= 2.13)
-    from thunder_dtensor.testing import device_type, init_distributed, mesh_1d
+    from thunder_dtensor.testing import device_type, init_distributed, mesh_1d, shutdown_distributed
     from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_tp, llama_loss
     from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize
 
@@ -134,7 +134,7 @@ def worker(spec: str, json_path: str) -> None:
         if front_end == "jit":
             result["interpretation_s"] = seconds[2].item()
         Path(json_path).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def _graph_unchanged(graph_module: Any, example_inputs: list) -> Callable:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import thunder_dtensor  # noqa: F401  (before thunder)
+from thunder_dtensor.testing import shutdown_distributed
 
 import thunder
 import torch
@@ -252,7 +253,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"tp{dist.get_world_size()}.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import thunder_dtensor  # noqa: F401  (before thunder)
-from thunder_dtensor.testing import init_distributed, mesh_1d
+from thunder_dtensor.testing import init_distributed, mesh_1d, shutdown_distributed
 
 import thunder
 import torch
@@ -223,7 +223,7 @@ def main() -> None:
         text = to_markdown(results, dist.get_world_size())
         Path(args.out).write_text(text)
         print(text)
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import thunder_dtensor  # noqa: F401  (before thunder)
-from thunder_dtensor.testing import init_distributed, mesh_1d
+from thunder_dtensor.testing import init_distributed, mesh_1d, shutdown_distributed
 
 import thunder
 import torch
@@ -147,7 +147,7 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "overhead.json").write_text(json.dumps(report, indent=2))
             (args.out / "overhead.md").write_text(text)
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ computation and backward traces; every rank checks the result against plain torc
 """
 
 import thunder_dtensor  # noqa: F401  (first: it makes thunder importable on torch >= 2.13)
-from thunder_dtensor.testing import device_type, init_distributed, mesh_1d
+from thunder_dtensor.testing import device_type, init_distributed, mesh_1d, shutdown_distributed
 
 import thunder
 import torch
@@ -48,7 +48,7 @@ def main() -> None:
             print(trace)
         print(f"output placements {out.placements}, x.grad placements {x.grad.placements}")
         print("seed example: values and gradients match plain torch on the full tensors")
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

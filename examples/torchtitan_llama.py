@@ -20,7 +20,7 @@ import types
 from contextlib import nullcontext
 
 import thunder_dtensor  # noqa: F401  (before thunder: makes thunder DTensor-aware)
-from thunder_dtensor.testing import init_distributed, mesh_1d
+from thunder_dtensor.testing import init_distributed, mesh_1d, shutdown_distributed
 
 import thunder
 import torch
@@ -109,7 +109,7 @@ def main() -> None:
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

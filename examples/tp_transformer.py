@@ -13,7 +13,7 @@ import argparse
 import copy
 
 import thunder_dtensor  # noqa: F401  (first: it makes thunder importable on torch >= 2.13)
-from thunder_dtensor.testing import device_type, init_distributed, mesh_1d
+from thunder_dtensor.testing import device_type, init_distributed, mesh_1d, shutdown_distributed
 from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize
 
 import thunder
@@ -96,7 +96,7 @@ def main() -> None:
                 ):
                     print(f"===== {title} =====")
                     print(trace)
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

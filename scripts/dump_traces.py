@@ -15,7 +15,7 @@ import re
 import sys
 
 import thunder_dtensor  # noqa: F401  (before thunder)
-from thunder_dtensor.testing import init_distributed
+from thunder_dtensor.testing import init_distributed, shutdown_distributed
 
 import thunder
 import torch.distributed as dist
@@ -62,8 +62,7 @@ def main() -> int:
                     written += 1
     if rank0:
         print(f"{written} traces written to {args.out}")
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 

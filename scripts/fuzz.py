@@ -27,7 +27,7 @@ import pathlib
 import sys
 
 import thunder_dtensor  # noqa: F401  (before thunder)
-from thunder_dtensor.testing import init_distributed, world_size
+from thunder_dtensor.testing import init_distributed, shutdown_distributed, world_size
 from thunder_dtensor.testing.fuzz import ProgramResult, fuzz, parse_seeds
 
 import torch.distributed as dist
@@ -118,8 +118,7 @@ def main() -> int:
             print(f"REDUCED {n}: {signature}\n    {result.program.describe()}", flush=True)
             show_reproducer(result.reproducer(signature), f"repro_ws{ws}_seed{result.program.seed}_reduced{n}.py")
         print("\n".join(summary.report_lines()), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 1 if summary.failed_here else 0
 
 

@@ -18,7 +18,7 @@ import time
 
 import thunder_dtensor  # noqa: F401  (before thunder)
 from thunder_dtensor import fixes_everywhere
-from thunder_dtensor.testing import zoo
+from thunder_dtensor.testing import shutdown_distributed, zoo
 
 import thunder
 import torch.distributed as dist
@@ -70,7 +70,7 @@ def main() -> int:
                                 f"{time.perf_counter() - started:.0f} s",
                                 flush=True,
                             )
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 1 if failures else 0
 
 

@@ -14,6 +14,7 @@ import sys
 import traceback
 
 import thunder_dtensor  # noqa: F401  (before thunder)
+from thunder_dtensor.testing import shutdown_distributed
 from thunder_dtensor.testing.models import CausalAttention
 
 import thunder
@@ -112,7 +113,7 @@ def main() -> int:
     for front in ("eager", "jit", "thunderfx"):
         with check(f"{tag} context_parallel training step, {front}"):
             train_under_context_parallel(mesh, front)
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 1 if FAILURES else 0
 
 

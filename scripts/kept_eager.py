@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 
 import thunder_dtensor  # noqa: F401  (before thunder)
-from thunder_dtensor.testing import device_type, init_distributed, mesh_1d
+from thunder_dtensor.testing import device_type, init_distributed, mesh_1d, shutdown_distributed
 from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_tp, llama_loss
 from thunder_dtensor.testing.models import GPT, GPTConfig, loss_fn, parallelize
 
@@ -110,8 +110,7 @@ def main() -> int:
             for name, why in sorted(kept.items()):
                 print(f"  {name}: {why}")
         unexpected += sum(1 for name in kept if name not in EXPECTED)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 1 if args.fail_on_kept and unexpected else 0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import thunder_dtensor  # noqa: F401
 from thunder_dtensor.ops.no_rule import ReplicatedFallbackWarning
 from thunder_dtensor.primitive import DTENSOR_PRIMS
-from thunder_dtensor.testing import init_distributed, mesh_1d
+from thunder_dtensor.testing import init_distributed, mesh_1d, shutdown_distributed
 from thunder_dtensor.testing.opinfo import MODEL_OPS, summary, sweep, to_markdown
 
 import torch.distributed as dist
@@ -74,7 +74,7 @@ def main() -> None:
         for r in results:
             for detail in r.failure_details:
                 print(f"thunder_dtensor fails: {r.name} {detail}")
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 _FAMILY_OF_MODULE = {

@@ -22,7 +22,7 @@ import sys
 import time
 
 import thunder_dtensor  # noqa: F401  (before thunder)
-from thunder_dtensor.testing import init_distributed
+from thunder_dtensor.testing import init_distributed, shutdown_distributed
 from thunder_dtensor.testing.zoo import (
     FRONTENDS,
     Arch,
@@ -141,8 +141,7 @@ def main() -> int:
         if args.out:
             _write(args.out, outcomes, archs)
             print(f"written to {args.out}")
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 1 if any(o.verdict == "ours" for o in outcomes) else 0
 
 

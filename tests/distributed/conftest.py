@@ -3,7 +3,7 @@
 import os
 
 import thunder_dtensor  # noqa: F401  (before thunder: makes thunder importable on torch >= 2.13)
-from thunder_dtensor.testing import init_distributed, world_size
+from thunder_dtensor.testing import init_distributed, shutdown_distributed, world_size
 
 import pytest
 
@@ -48,10 +48,7 @@ def distributed():
         return
     init_distributed()
     yield world_size()
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 # --- collectives report: cases where the jit does more collectives than eager DTensor (run_case records them) ---

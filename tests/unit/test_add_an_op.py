@@ -14,7 +14,7 @@ import sys
 import thunder_dtensor  # noqa: F401
 from thunder_dtensor.ops.pointwise import dtensor_add_prim, dtensor_mul_prim, unary_op
 from thunder_dtensor.primitive import PRIMS
-from thunder_dtensor.testing import init_distributed, mesh_1d
+from thunder_dtensor.testing import init_distributed, mesh_1d, shutdown_distributed
 
 import thunder
 import torch
@@ -42,7 +42,7 @@ for as_method in (False, True):
     assert x.grad.placements == (Shard(0),)
     assert "dtensor_expm1_vjp_prim" not in backward, backward  # the dedicated rule, not the generic vjp
 print("ADDED-OP-RAN", flush=True)
-torch.distributed.destroy_process_group()
+shutdown_distributed()
 """
 
 

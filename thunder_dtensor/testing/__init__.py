@@ -62,6 +62,15 @@ def init_distributed(timeout_s: float = 120.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group once every rank is done with it: a rank that tears gloo down while a peer still
+    reads from it can abort at exit (``terminate called without an active exception``)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 

@@ -60,6 +60,12 @@ def _args() -> argparse.Namespace:
     parser.add_argument(
         "--no-minimize", action="store_true", help="do not make each failure signature's smallest program smaller"
     )
+    parser.add_argument(
+        "--leave-out",
+        default="",
+        help="comma list of step kinds (e.g. sdpa: eager DTensor's CPU attention strategies can take minutes) whose "
+        "programs are not run; counted in the summary",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="a line per program, not only failing ones")
     return parser.parse_args()
 
@@ -112,6 +118,7 @@ def main() -> int:
         minimize_failures=not args.no_minimize,
         thunderfx_share=args.thunderfx_share,
         view_writes=args.view_writes,
+        leave_out=[k for k in args.leave_out.split(",") if k],
     )
     if rank0:
         for n, (signature, result) in enumerate(summary.minimized.items()):

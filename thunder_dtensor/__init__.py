@@ -54,6 +54,8 @@ if DISTRIBUTED_AVAILABLE:
 
     # DTensor's sharding rules that torch lacks, in its tables only while a thunderfx call runs
     _integration.scope_sharding_rules_to_thunderfx_calls(ops.attention.THUNDERFX_SHARDING_RULES)
+    # x.item() under thunderfx runs as eager DTensor's (dynamo's graph ends there): the global value, as jit's
+    _integration.read_global_items_in_thunderfx_calls(ops.scalars.global_item)
     # in-place DTensor ops keep their DTensor proxies through thunder's alias updates
     _integration.keep_dtensors_in_alias_updates(
         is_dtensor_proxy,
@@ -135,6 +137,8 @@ if DISTRIBUTED_AVAILABLE:
     _integration.install_lowering(
         lowering.lower_dtensor_program, lowering.lowering_enabled, lowering.annotate_not_lowered
     )
+    # every rank issues them in one order, also through thunderfx's dataflow fusion partition
+    _integration.keep_collectives_in_order_through_dataflow_fusion(lowering.issues_a_collective)
 
 # a write into a view of a plain tensor that requires grad gets eager's gradients (installed after the alias
 # pass's DTensor wrapper, which rewrites DTensor writes the same way, so that it wraps that one)

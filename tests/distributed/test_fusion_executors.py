@@ -1,9 +1,11 @@
 """The lowered program is thunder's own symbols, so thunder's fusion executors can claim its local math.
 
 The lowering emits each local ATen op that thunder has a symbol for as that symbol (thunder_equivalents.py).
-With thunder's torch.compile executor listed, inductor fuses the local math between the collectives, which
-stay this package's; ops on complex tensors (RoPE) stay outside its regions, and values and gradients equal
-the default executors'. (`make bench` runs every bench model that way: its `thunder_on_tcex` variant.)
+With thunder's torch.compile executor listed, inductor compiles the local math and the functional collectives
+in one region where nothing else cuts it (as torch.compile compiles a DTensor program); ops on complex tensors
+(RoPE) and the DTensor boundary stay outside its regions, the collectives are the default executors' (counted),
+and values and gradients equal the default executors'. (`make bench` runs every bench model that way: its
+`thunder_on_tcex` variant.)
 """
 
 import copy
@@ -22,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 STEPS = 2
-BOUNDARY = {"unwrap_dtensor", "wrap_dtensor", "local_contiguous"}
+BOUNDARY = {"unwrap_dtensor", "wrap_dtensor"}
 #: local math a torch.compile region should hold (thunder's symbols, as the torch executor names them)
 LOCAL_MATH = {"matmul", "linear", "add", "pow", "mean", "rsqrt", "reshape", "permute"}
 
@@ -73,10 +75,12 @@ def _rotary_block() -> RotaryBlock:
     return RotaryBlock()
 
 
+_PLAN = {"wq": ColwiseParallel(), "wo": RowwiseParallel()}
+
+
 def _train(executors: list | None, *, eager: bool = False) -> tuple:
     """Train the block 2 steps: eager DTensor, or ``thunder.jit`` with ``executors`` (None: the defaults)."""
-    plan = {"wq": ColwiseParallel(), "wo": RowwiseParallel()}
-    model = parallelize_module(copy.deepcopy(_rotary_block()), mesh_1d(), plan)
+    model = parallelize_module(copy.deepcopy(_rotary_block()), mesh_1d(), _PLAN)
     jitted = model if eager else thunder.jit(model, **({} if executors is None else {"executors": executors}))
     g = torch.Generator().manual_seed(7)
     losses, grads = [], []
@@ -93,7 +97,7 @@ def _train(executors: list | None, *, eager: bool = False) -> tuple:
 
 
 @pytest.mark.world_size(2)
-def test_torch_compile_executor_fuses_the_local_math_between_collectives():
+def test_torch_compile_executor_compiles_the_local_math_and_the_collectives_together():
     from thunder.executors.torch_compile import torch_compile_ex
 
     _, losses, grads = _train(None)
@@ -111,13 +115,21 @@ def test_torch_compile_executor_fuses_the_local_math_between_collectives():
             assert fused_placements == placements, name
             torch.testing.assert_close(fused_grad, grad, msg=lambda m, n=name, s=step: f"{n} at step {s}: {m}")
 
-    for trace in (thunder.last_traces(fused_jit)[-1], thunder.last_backward_traces(fused_jit)[-1]):
+    default_jit = thunder.jit(parallelize_module(copy.deepcopy(_rotary_block()), mesh_1d(), _PLAN))
+    default_jit(torch.randn(2, 8, 16)).pow(2).mean().backward()
+    defaults = (thunder.last_traces(default_jit)[-1], thunder.last_backward_traces(default_jit)[-1])
+    fused = (thunder.last_traces(fused_jit)[-1], thunder.last_backward_traces(fused_jit)[-1])
+    for trace, default in zip(fused, defaults):
         regions = [b for b in trace.bound_symbols if b.sym.name.startswith("TorchCompile")]
-        inside = {s.sym.name for r in regions for s in r.subsymbols}
+        inside = [s.sym.name for r in regions for s in r.subsymbols]
         outside = _names(trace)
-        assert regions and "matmul" in inside, sorted(inside)
-        # collectives and the DTensor boundary are never fused; the real local math is, the complex RoPE is not
-        assert not inside & (set(COLLECTIVE_SYMBOLS) | BOUNDARY), sorted(inside)
+        assert regions and "matmul" in inside, sorted(set(inside))
+        # the collectives are in inductor's regions, each of them (the default's, counted); the DTensor boundary
+        # never is; the real local math is, the complex RoPE is not
+        collectives = sorted(n for n in inside + outside if n in COLLECTIVE_SYMBOLS)
+        assert collectives == sorted(n for n in _names(default) if n in COLLECTIVE_SYMBOLS), collectives
+        assert collectives and not set(outside) & set(COLLECTIVE_SYMBOLS), sorted(set(outside))
+        assert not set(inside) & BOUNDARY, sorted(set(inside))
         assert not set(outside) & LOCAL_MATH, sorted(set(outside) & LOCAL_MATH)
         for b in trace.bound_symbols:
             if b.sym.name == "mul":

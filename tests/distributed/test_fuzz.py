@@ -168,5 +168,14 @@ def test_ranks_whose_results_disagree_fail_by_name_instead_of_hanging():
         return x.redistribute(x.device_mesh, [Shard(0)] if rank == 0 else [Replicate()])
 
     run = _execute(differs_by_rank, lambda: [distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])], None)
-    assert isinstance(run.error, RanksDisagree) and run.phase == "output", run.error
+    assert isinstance(run.error, RanksDisagree) and run.phase == "forward", run.error
     assert "rank 0: (Shard(dim=0),)" in str(run.error) and "rank 1: (Replicate(),)" in str(run.error)
+
+    def raises_on_one_rank(x):  # that rank stopped while the other went on to gather its output: a hang
+        if rank == 1:
+            raise ValueError("only here")
+        return x * 2
+
+    run = _execute(raises_on_one_rank, lambda: [distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])], None)
+    assert isinstance(run.error, RanksDisagree) and run.phase == "forward", run.error
+    assert "rank 1: raised ValueError: only here" in str(run.error), run.error

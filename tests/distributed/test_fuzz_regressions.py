@@ -625,3 +625,27 @@ def test_a_write_into_a_view_gives_the_gradient_the_cotangents_placements(loweri
         mesh=mesh_1d(),
     )
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@pytest.mark.world_size(2)
+def test_collectives_are_issued_in_one_order_on_every_rank_under_thunderfx():
+    """Fuzz seed 5076: with an index sharded unevenly (3 ids over 2 ranks) one rank pads its shard before the
+    all-gather; thunderfx's dataflow fusion partition re-emitted that rank's all-gather after the values'
+    all-reduce while the other rank kept the trace's order, and each rank waited for the other forever."""
+    from thunder.dynamo import thunderfx
+
+    def fn(x, ids, values):
+        y = x.clone()
+        y.index_put_((ids,), values)
+        return y * 2
+
+    fulls = [make_full((6, 4), seed=31), torch.tensor([4, 0, 2]), make_full((4,), seed=32)]
+    expected = fn(*fulls)
+    for call in range(2):
+        x, ids = (
+            distribute_tensor(fulls[0], mesh_1d(), [Replicate()]),
+            distribute_tensor(fulls[1], mesh_1d(), [Shard(0)]),
+        )
+        half = distribute_tensor(fulls[2] / 2, mesh_1d(), [Replicate()]).to_local()
+        values = DTensor.from_local(half, mesh_1d(), [Partial()])
+        torch.testing.assert_close(thunderfx(fn)(x, ids, values).full_tensor(), expected, msg=f"call {call}")

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor._integration.bootstrap import (
     _RECORDERS,
@@ -202,7 +202,8 @@ def let_torch_executors_claim(symbol: Symbol, fn: Callable) -> None:
     """Make a lowered local op claimable by thunder's torch executor and fusible by its torch.compile executor.
 
     thunder's ``torchcompile`` executor fuses only symbols in its table and compiles each region through the
-    torch executor, so the op goes into both; collectives and the DTensor boundary never do.
+    torch executor, so the op goes into both. Functional collectives do too (inductor compiles them, as
+    torch.compile does a DTensor program); the DTensor boundary (wrap / unwrap) never does.
     """
     from thunder.executors.torch_compile import torch_compile_ex
     from thunder.executors.torchex import ex as pytorch_ex
@@ -273,6 +274,39 @@ def install_lowering(
         "transform_for_execution",
         transform_for_execution,
         expects=expects_function("thunder.common", "trace", "executors_list"),
+    )
+
+
+@installer("dtensor", "thunder's dataflow fusion keeps a lowered program's collectives in their order")
+def keep_collectives_in_order_through_dataflow_fusion(is_collective: Callable[[BoundSymbol], bool]) -> None:
+    """Make thunder's ``dataflow`` partition (thunderfx's default ``fusion_type``) keep the order in which a
+    program issues its collectives (``is_collective``), or fall back to the ``consecutive`` partition.
+
+    The dataflow partition re-emits a trace's symbols in an order of its own, the same rank by rank only where
+    their programs are the same: with uneven shards a rank pads its shard before an all-gather, and that rank's
+    all-gather fell behind the next all-reduce while the other rank kept them in order, and both waited for
+    the other forever (fuzz seed 5076 under thunderfx; every fusion executor's pass partitions, on CPU
+    ``torchcompile_cat`` fuses nothing and reorders all the same). Collectives must be issued in the same order
+    on every rank: where the dataflow order moves one past another, the trace's own order (the consecutive
+    partition) is used. Programs without collectives are partitioned as thunder does.
+    """
+    import thunder.executors.data_dependent_partition as partition
+
+    original = partition.dataflow_fusion
+
+    @functools.wraps(original)
+    def dataflow_fusion(trace: TraceCtx, merge_func: Callable) -> Any:
+        groups = original(trace, merge_func)
+        issued = [id(b) for b in cast(list[BoundSymbol], trace.bound_symbols) if is_collective(b)]
+        if issued and [id(b) for group in groups for b in group if is_collective(b)] != issued:
+            return partition.consecutive_fusion(trace, merge_func)
+        return groups
+
+    patch(
+        partition,
+        "dataflow_fusion",
+        dataflow_fusion,
+        expects=expects_function("thunder.executors.data_dependent_partition", "trace", "merge_func"),
     )
 
 

@@ -258,3 +258,33 @@ def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
 
     call = expects_function("thunder.dynamo", "self")
     patch(ThunderFXCompiledObject, "__call__", call_with_sharding_rules, expects=call)
+
+
+@installer("dtensor", "a DTensor's .item() under thunderfx reads its global value, as thunder.jit's does")
+def read_global_items_in_thunderfx_calls(handler: Callable[..., Any]) -> None:
+    """Give eager DTensor ``handler`` for ``aten._local_scalar_dense`` (``x.item()``) only while a thunderfx
+    program is called.
+
+    ``.item()`` ends dynamo's graph, so it runs as eager DTensor's on the graph's output, and eager DTensor reads
+    the local tensor whatever its placements: a Partial value's unreduced part on each rank (torch's strategy for
+    the op is Replicate only, but its propagator skips the op). ``thunder.jit`` reads the global value; so does
+    thunderfx with ``handler``. Eager DTensor outside such a call keeps its own behaviour.
+    """
+    if not DISTRIBUTED_AVAILABLE:
+        return
+    from thunder.dynamo.compiler import ThunderFXCompiledObject
+
+    item_handler = scoped_entries(
+        DTensor._op_dispatcher._custom_op_handlers,
+        {torch.ops.aten._local_scalar_dense.default: handler},
+        table_name="torch.distributed.tensor.DTensor._op_dispatcher._custom_op_handlers",
+        during="a call of a thunderfx-compiled object",
+    )
+    thunderfx_call = ThunderFXCompiledObject.__call__
+
+    def call_reading_global_items(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with item_handler:
+            return thunderfx_call(self, *args, **kwargs)
+
+    call = expects_function(("thunder.dynamo", "thunder_dtensor"), "self")
+    patch(ThunderFXCompiledObject, "__call__", call_reading_global_items, expects=call)

@@ -34,6 +34,7 @@ from thunder_dtensor.lowering.symbols import (
     collective_symbol,
     dtensor_comm_ex,
     dtensor_local_ex,
+    issues_a_collective,
     local_op_symbol,
     symbol_name,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "contiguous_spec",
     "dtensor_comm_ex",
     "dtensor_local_ex",
+    "issues_a_collective",
     "joint_gradients",
     "local_op_symbol",
     "lower_dtensor_program",

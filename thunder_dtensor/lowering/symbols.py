@@ -1,8 +1,9 @@
 """The symbols of a lowered program and the two executors that run them.
 
 One symbol per local ATen op (run as that single ATen call; thunder's fusion executors may claim it), one per
-``_c10d_functional`` collective (``mesh_dim`` is printed, not passed on), and the DTensor boundary: unwrap,
-wrap, a contiguous copy of a plain tensor. Their metas run the op itself on fake tensors (torch's own shape
+``_c10d_functional`` collective (``mesh_dim`` is printed, not passed on; thunder's torch.compile executor may
+claim it too, so that one inductor graph spans the collectives), and the DTensor boundary: unwrap, wrap, a
+contiguous copy of a plain tensor. Their metas run the op itself on fake tensors (torch's own shape
 rules), answered from :data:`LOCAL_META_CACHE` when the pass recorded the traced node's outputs.
 """
 
@@ -27,7 +28,8 @@ dtensor_local_ex = ti.OperatorExecutor("dtensor_local")
 ti.add_dtensor_executor(dtensor_local_ex)
 
 
-#: collectives and the DTensor boundary (wrap / unwrap); no fusion executor has these symbols
+#: collectives and the DTensor boundary (wrap / unwrap); thunder's fusion executors may take the collectives (and the
+#: contiguous copy of a plain tensor), never the boundary
 dtensor_comm_ex = ti.OperatorExecutor("dtensor_comm")
 
 
@@ -114,8 +116,21 @@ def collective_symbol(overload: Any) -> ti.Symbol:
     run.__name__ = name
     op = dtensor_comm_ex.register_operator(name, like=sym, fn=run)
     dtensor_comm_ex.register_implementation(sym, op, checker=lambda *a, **k: True)
+
+    def traceable(*args: Any, mesh_dim: int | None = None, **kwargs: Any) -> Any:
+        return overload(*args, **kwargs)
+
+    traceable.__name__ = name
+    # inductor compiles functional collectives natively (as torch.compile does DTensor programs): with thunder's
+    # torch.compile executor listed, a region runs on across them and inductor fuses the local math around them
+    ti.let_torch_executors_claim(sym, traceable)
     COLLECTIVE_SYMBOLS[name] = sym
     return sym
+
+
+def issues_a_collective(bsym: ti.BoundSymbol) -> bool:
+    """Whether ``bsym`` issues one of the lowering's collectives (its wait communicates nothing)."""
+    return bsym.sym.name in COLLECTIVE_SYMBOLS and bsym.sym.name != "wait_tensor"
 
 
 def _unwrap(x: Any, spec: Any, contiguous: bool, *, placements: str = "") -> torch.Tensor:
@@ -163,8 +178,9 @@ unwrap_dtensor = _boundary_symbol("unwrap_dtensor", _unwrap, _unwrap_meta)
 wrap_dtensor = _boundary_symbol("wrap_dtensor", _wrap, _wrap_meta)
 
 
-#: a plain tensor of unknown strides entering lowered code
+#: a plain tensor of unknown strides entering lowered code (plain math: a fusion region may hold it)
 local_contiguous = _boundary_symbol("local_contiguous", _contiguous, _contiguous_meta)
+ti.let_torch_executors_claim(local_contiguous, _contiguous)
 
 
 def _after(value: torch.Tensor, *issued: Any) -> torch.Tensor:

@@ -22,7 +22,13 @@ from thunder_dtensor.lowering.graph import (
     placeholder_nodes,
     unused_collectives,
 )
-from thunder_dtensor.lowering.program import claimed, flatten_dtensor_composites, pair_vjps, place_waits_late
+from thunder_dtensor.lowering.program import (
+    claimed,
+    flatten_dtensor_composites,
+    pair_vjps,
+    place_waits_late,
+    unwrap_early,
+)
 from thunder_dtensor.lowering.symbols import (
     collective_symbol,
     issued_before,
@@ -561,7 +567,7 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
             state.restore(saved)
             state.keep(bsym, str(e))
     new_trace = state.trace
-    new_trace.bound_symbols = place_waits_late(claimed(state.bsyms, executors))
+    new_trace.bound_symbols = unwrap_early(place_waits_late(claimed(state.bsyms, executors)))
     new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  # (see annotate_not_lowered)
     new_trace.set_provenance(ti.TraceProvenance(f"DTensor lowering ({state.lowered} prims lowered)"))
     return new_trace

@@ -300,6 +300,7 @@ define_vjp(VALUE_PRIMS["mul_"])(_mul_vjp)
 
 
 def _copy_(a, src, non_blocking=False):
+    _check_destination("copy_", a, (src,), {"non_blocking": non_blocking})  # (fuzz seeds 5007, 5043: not checked)
     return dtensor_copy__prim(src, a, grad_enabled=ti.grad_enabled_while_tracing())
 
 

@@ -13,6 +13,10 @@ data into Python (``bool(x)``, ``float(x)``, ``torch.equal``, ``x.is_nonzero()``
 call on plain tensors (``DTensorProxy``'s conversions, and ``primitive._fake_outputs`` for ops). So does a
 branch on a number read at run time (``if s > 0:``), which thunder alone takes as ``bool(None)``: the ``else``
 branch, silently (:func:`branch_refusal`, the thunder fix ``refuse_branches_on_run_time_numbers``).
+
+Under thunderfx, ``.item()`` ends dynamo's graph and runs as eager DTensor's, on the graph's output: eager's
+rank-local part of a Partial value. While a thunderfx program is called, DTensor's ``item()`` reads the global
+value instead (:func:`global_item`), as ``thunder.jit`` does.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ def dtensor_item(a):
 
 
 register_method_for_dtensor("item", dtensor_item)
+
+
+def global_item(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``x.item()`` of an eager DTensor as its global value (DTensor's handler for ``aten._local_scalar_dense``):
+    a Partial or Shard DTensor is made Replicate first (an all-reduce / all-gather), where eager DTensor reads the
+    local tensor as it is."""
+    (x,) = args
+    if not all(p.is_replicate() for p in x.placements):
+        x = x.redistribute(x.device_mesh, [ti.Replicate()] * x.device_mesh.ndim)
+    return op(x.to_local(), **kwargs)
 
 
 def branch_refusal(number: Any) -> DataDependentValueError:

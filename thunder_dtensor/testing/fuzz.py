@@ -34,7 +34,7 @@ import re
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -1561,18 +1561,22 @@ class RanksDisagree(RuntimeError):
     """The ranks' results have different placements: gathering them would hang or mix up collectives."""
 
 
-def _check_ranks_agree(what: str, placements: Any) -> None:
-    """All-gather ``placements`` (their reprs) and raise :class:`RanksDisagree` on every rank if they differ.
+def _check_ranks_agree(what: str, state: Any, error: BaseException | None = None) -> None:
+    """All-gather each rank's ``state`` (its repr, or its error) and raise on every rank if any rank raised or
+    the states differ.
 
-    Every rank gathers and decides from the same gathered list, so all raise or none does: a program whose
-    ranks chose differently (each rank decides DTensor's strategies on its own) fails here, named, instead of
-    hanging in the next collective.
+    Every rank decides from the same gathered list, so all stop or none does: a rank that raised while another
+    went on would leave that one waiting in the next collective (the run hangs, then times out). Where every
+    rank raised, each re-raises its own ``error``; otherwise all raise :class:`RanksDisagree`, which names each
+    rank's state (each rank decides DTensor's strategies on its own, and a shard's shape can differ by rank).
     """
-    gathered, _ = _agree(repr(placements))
+    mine = ("raised", _describe_error(error)) if error is not None else ("ran", repr(state))
+    gathered, _ = _agree(mine)
+    if error is not None and all(kind == "raised" for kind, _ in gathered):
+        raise error
     if len(set(gathered)) > 1:
-        raise RanksDisagree(
-            f"{what} placements differ by rank: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(gathered))
-        )
+        states = "; ".join(f"rank {r}: {k if kind == 'ran' else 'raised ' + k}" for r, (kind, k) in enumerate(gathered))
+        raise RanksDisagree(f"{what} differs by rank: {states}")
 
 
 def _describe_error(error: BaseException) -> str:
@@ -1602,22 +1606,27 @@ def _execute(
     run = _Run()
     inputs = make_inputs()
     layouts = _AttentionLayouts()
+    out: Any = None
+    raised: BaseException | None = None
     try:
         with layouts if eager else contextlib.nullcontext():
             out = fn(*inputs)
     except Exception as error:
-        run.error, run.phase = error, "forward"
-        return run
+        raised = error
     finally:
         run.derived_attention = layouts.derived
     if isinstance(out, tuple):
         out, numbers = out
         run.numbers = list(numbers)
+    try:
+        _check_ranks_agree("forward", getattr(out, "placements", type(out).__name__), raised)
+    except Exception as error:
+        run.error, run.phase = error, "forward"
+        return run
     if not isinstance(out, DTensor):
         run.not_dtensor = type(out).__name__
         return run
     try:
-        _check_ranks_agree("output", tuple(out.placements))
         run.placements = tuple(out.placements)
         run.shape = tuple(out.shape)
         run.out_requires_grad = out.requires_grad
@@ -1628,8 +1637,13 @@ def _execute(
         return run
     if cotangent is None or not out.requires_grad:
         return run
+    raised = None
     try:
         out.backward(run_globals()["cotangent_for"](out, cotangent))
+    except Exception as error:
+        raised = error
+    try:
+        _check_ranks_agree("backward", "ran", raised)
     except Exception as error:
         run.error, run.phase = error, "backward"
         return run
@@ -2031,7 +2045,9 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
                             found[0].detail += " (plain thunder.jit runs the plain program)"
                     elif outcome == "failed" and _refused_like_plain(mode, program, got, found, plain):
                         outcome, found = "refused-like-plain-thunder", []
-                    if outcome != "matched":
+                    # the next call's collectives: on every rank or on none (a number read of a Partial value
+                    # can be judged differently by rank; the outcomes' comparison after the program names that)
+                    if _agree(None, outcome != "matched")[1]:
                         break
                 if outcome == "matched" and MODES[mode] is not None:
                     import thunder
@@ -2104,6 +2120,8 @@ class FuzzSummary:
     seconds: float = 0.0
     #: failure signature -> its smallest program made smaller (when the fuzz run was asked to)
     minimized: dict[str, ProgramResult] = field(default_factory=dict)
+    #: the seeds whose programs have a step the run leaves out (``leave_out``): not run
+    left_out: list[int] = field(default_factory=list)
 
     @property
     def failed(self) -> list[ProgramResult]:
@@ -2148,6 +2166,8 @@ class FuzzSummary:
         kinds = Counter(f"{kind}" for (_, kind) in self.kinds().elements())
         by_kind = ", ".join(f"{k}={kinds[k]}" for k in FAILURE_KINDS if kinds[k]) or "none"
         stopped = f" (stopped: {self.stopped})" if self.stopped else ""
+        if self.left_out:
+            stopped += f" ({len(self.left_out)} programs left out)"
         return (
             f"fuzz summary (world size {self.world_size}, {self.seconds:.0f}s){stopped}: ran={len(self.results)} "
             f"passed={c['passed']} (values only, after attention on mixed layouts: {c['values-only']}) "
@@ -2157,6 +2177,8 @@ class FuzzSummary:
             f"(thunderfx ran {c['thunderfx']}; thunder.jit refused a read of data as plain thunder does: "
             f"{c['refused-like-plain-thunder']}) failed={c['failed']} "
             f"(upstream={len(self.failed) - len(self.failed_here)}) | "
+            f"writes into views: {sum('view-write' in r.program.kinds for r in self.results)} programs, "
+            f"{sum('view-write' in r.program.kinds for r in self.failed_here)} failed here | "
             f"failing runs by kind: {by_kind}"
         )
 
@@ -2312,6 +2334,7 @@ def fuzz(
     minimize_failures: bool = False,
     thunderfx_share: float = 0.0,
     view_writes: float = 0.0,
+    leave_out: Collection[str] = (),
 ) -> FuzzSummary:
     """Generate and run the programs of ``seeds`` on every rank (call under torchrun, after init_distributed).
 
@@ -2319,7 +2342,8 @@ def fuzz(
     ``rank-divergence`` failure and ends the run, as do the time limit (any rank past it) and, if asked, a failure.
     ``minimize_failures``: then the smallest program of each failure signature is made smaller (:func:`minimize`;
     a few seconds per signature, not counted in the time limit). ``thunderfx_share``, ``view_writes``: see
-    :func:`generate_program`.
+    :func:`generate_program`. ``leave_out``: step kinds (``sdpa``) whose programs are generated but not run
+    (eager DTensor's CPU attention strategies can take minutes a program); listed in the summary.
     """
     from thunder_dtensor.testing import world_size
 
@@ -2330,6 +2354,9 @@ def fuzz(
         mesh_shape = mesh_shape_for(seed, ws, mesh)
         try:
             program = generate_program(seed, ws, mesh_shape, thunderfx_share=thunderfx_share, view_writes=view_writes)
+            if set(program.kinds) & set(leave_out):  # (every rank draws the same program: skipped alike)
+                summary.left_out.append(seed)
+                continue
             result = run_program(program)
         except Exception as error:  # the harness itself: recorded as a failure of its own
             program = Program(seed, ws, mesh_shape, "float32", (InputSpec("x", (1,), ("R",), False, 0),), (), 0)

@@ -9,6 +9,8 @@ Contenders, all on the same sharded model and the same cache kind:
 - ``eager``: transformers' eager TP;
 - ``torch.compile``: the forward under ``torch.compile(mode="default")`` (static cache, as transformers' docs);
 - ``thunder``: the forward under ``thunder.jit``; ``thunderfx``: under ``thunder.dynamo.thunderfx``;
+- ``thunder_inductor``: ``thunder.jit`` with thunder's torch.compile executor listed first: inductor compiles the
+  lowered step, collectives included, as one graph;
 - ``limit``: the same decoding hand-written on each rank's local shards (the weights the TP model holds, the
   model's own norms and rotary embedding, one all-reduce after each row-parallel projection and the embedding,
   one all-gather of the logits), run eagerly: what the program costs with nothing in between.
@@ -38,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-CONTENDERS = ("eager", "torch.compile", "thunder", "thunderfx", "limit")
+CONTENDERS = ("eager", "torch.compile", "thunder", "thunder_inductor", "thunderfx", "limit")
 
 
 def _config(args: argparse.Namespace):  # -> LlamaConfig
@@ -149,6 +151,10 @@ def _decoder(name: str, model: torch.nn.Module, max_len: int) -> Callable[[torch
             forward = torch.compile(forward, mode="default")
         elif name == "thunder":
             forward = thunder.jit(forward)
+        elif name == "thunder_inductor":
+            from thunder.executors.torch_compile import torch_compile_ex
+
+            forward = thunder.jit(forward, executors=[torch_compile_ex, *thunder.get_default_executors()])
         elif name == "thunderfx":
             from thunder.dynamo import thunderfx
 

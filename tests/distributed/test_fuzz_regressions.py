@@ -304,19 +304,30 @@ def test_gelu_of_a_partial_value_is_replicated_as_eager_does(approximate, loweri
 
 @pytest.mark.world_size(2)
 @LOWERING
-def test_in_place_write_into_a_view_dtensor_computes_on_gathered_data_is_refused(lowering):
-    """``y[:1]`` of a Shard(0) DTensor is gathered (a copy): a write into it never reaches ``y``. Eager DTensor
-    loses it silently (a torch bug); thunder_dtensor refuses it at trace time (was: the same silent loss)."""
+def test_in_place_write_into_a_view_dtensor_computes_on_gathered_data_reaches_the_dtensor(lowering):
+    """``y[:1]`` of a Shard(0) DTensor is gathered (a copy): eager DTensor loses a write into it, silently (a torch
+    bug). thunder_dtensor first gave the same silent loss, then refused it at trace time; now the write is made
+    functional and written back: plain torch's values, with grad mode on or off."""
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         y = x.clone()
         y[:1].mul_(0.5)
         return y
 
-    x = distribute_tensor(make_full((6, 8), seed=13), mesh_1d(), [Shard(0)])
-    with pytest.raises(DTensorOpError, match="computed on gathered data") as error:
-        thunder.jit(fn, dtensor_lowering=lowering)(x)
-    assert "placements=" in str(error.value) and "hint:" in str(error.value)
+    full = make_full((6, 8), seed=13)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            x = distribute_tensor(full, mesh_1d(), [Shard(0)]).requires_grad_(grad)
+            out = thunder.jit(fn, dtensor_lowering=lowering)(x)
+        assert out.placements == (Shard(0),)  # a write keeps the written tensor's placements, as eager's
+        torch.testing.assert_close(out.full_tensor(), fn(full))
+    # and its gradient keeps them too, as eager's backward of a write gives it (seed 5022: Replicate, from the
+    # backward of a redistribution back to the written tensor's placements)
+    cotangent, plain = make_full((6, 8), seed=14), full.clone().requires_grad_()
+    out.backward(distribute_tensor(cotangent, mesh_1d(), [Shard(0)]))
+    fn(plain).backward(cotangent)
+    assert x.grad.placements == (Shard(0),), x.grad.placements
+    torch.testing.assert_close(x.grad.full_tensor(), plain.grad)
 
 
 @pytest.mark.world_size(2, 4)

@@ -88,7 +88,9 @@ class ViewWriteEmitter:
     raises where a write that needs the rewrite cannot be rewritten (None: thunder's in-place form stays).
     ``read_for_a_write(a)``: the written tensor as the write reads it (the views it writes through and the value it
     updates are taken from it), so that what flows back through those reads reaches the tensor as one cotangent
-    (None: they read the tensor itself).
+    (None: they read the tensor itself). ``copied_by(view, out)``: whether the view op made ``out`` as a copy (DTensor
+    takes some views on gathered data): a write through it reaches the viewed tensor only rewritten, so it is
+    rewritten whether gradients matter or not (None: views are views).
     """
 
     call: Callable[..., Any]
@@ -99,6 +101,7 @@ class ViewWriteEmitter:
     copied: Callable[[Any, Any], Any] | None = None
     refuse: Callable[[BoundSymbol, str], None] | None = None
     read_for_a_write: Callable[[Any], Any] | None = None
+    copied_by: Callable[[BoundSymbol, Any], bool] | None = None
 
 
 def _plain_call(torch_fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -430,16 +433,20 @@ class _Rewrite:
             root
         ):  # a tensor no view was taken of: thunder's in-place form is right
             return False
+        chain = self._chain(destination)
+        outputs_of = [d.view.output if isinstance(d.view.output, (tuple, list)) else (d.view.output,) for d in chain]
+        through_a_copy = emitter.copied_by is not None and any(
+            emitter.copied_by(d.view, outputs[d.index]) for d, outputs in zip(chain, outputs_of)
+        )
         copy = bsym.subsymbols[-1]
         grad_enabled = bool(pyval(copy.kwargs.get("grad_enabled", self.grad_enabled)))
-        if not grad_enabled:
+        if not grad_enabled and not through_a_copy:
             return False
         operands = [a for a in bsym.flat_proxy_args[1:] if isinstance(a, TensorProxy)]
         tracked = [self._current(destination), self._current(root)]
-        if not any(p.name in self.needs_grad for p in (*tracked, *operands)):
+        if not through_a_copy and not any(p.name in self.needs_grad for p in (*tracked, *operands)):
             return False
-        for d in self._chain(destination):
-            outputs = d.view.output if isinstance(d.view.output, (tuple, list)) else (d.view.output,)
+        for d, outputs in zip(chain, outputs_of):
             why = scatter_rule_missing(d.name, d.view, self.proxies[d.parent], outputs[d.index])
             if why is not None:
                 if emitter.refuse is not None:

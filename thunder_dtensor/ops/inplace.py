@@ -26,8 +26,8 @@ copied one. DTensors take the same path, with dtensor prims in place of thunder'
 A write into a view of a DTensor whose gradient matters (``y[:, 1:].mul_(w)``) is made functional before
 thunder's alias pass (``_integration/functionalize.py``, with :data:`DTENSOR_VIEW_WRITES`): the view's new value,
 scattered back into the viewed DTensor (``slice_scatter`` and friends, whose grad rules here are eager's backward of
-such a write), and later reads see it; a write into a view DTensor computed on gathered data is refused (eager
-loses it).
+such a write), and later reads see it. So is a write into a view DTensor computed on gathered data (a copy), with
+gradients or without: eager loses it, the rewrite writes it back (plain torch's values).
 
 Every in-place torch function / Tensor method in thunder's tables is covered this way (plus ``fill_``,
 which thunder lacks), and so are functions with an ``inplace=`` flag (``F.relu``, ``nn.ReLU(inplace=True)``;
@@ -37,7 +37,7 @@ which thunder lacks), and so are functions with an ``inplace=`` flag (``F.relu``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import (
@@ -198,18 +198,13 @@ def _setitem(a: Any, key: Any, value: Any) -> None:
     a[key] = value
 
 
-def _view_made_by(a: DTensorProxy) -> ti.BoundSymbol | None:
-    """The view op that made ``a`` in the trace being built (thunder's alias pass sees it as a view), or None."""
-    trace = ti.get_tracectx()
-    for bsym in reversed(cast(list[ti.BoundSymbol], trace.bound_symbols) if trace is not None else ()):
-        if any(o is a or getattr(o, "name", None) == a.name for o in bsym.flat_proxy_outs):
-            return bsym if ti.may_return_views(bsym.sym) else None
-    return None
-
-
-def _gathered_by(view: ti.BoundSymbol, a: DTensorProxy) -> bool:
+def _gathered_by(view: ti.BoundSymbol, a: Any) -> bool:
     """Whether DTensor ran the view on gathered data: a mesh dim sharded in its input is Replicate in ``a``,
-    so ``a`` is a copy, and a write into it never reaches the viewed DTensor (eager DTensor loses it too)."""
+    so ``a`` is a copy, and a write into it reaches the viewed DTensor only as the rewrite writes it back
+    (eager DTensor loses it silently; fuzz seeds 1424, 5007, 5022, 5043: refused before, plain torch's values
+    now)."""
+    if not isinstance(a, DTensorProxy):
+        return False
     source = next((x for x in view.flat_proxy_args if isinstance(x, DTensorProxy)), None)
     if source is None or source.device_mesh != a.device_mesh:
         return False
@@ -217,32 +212,6 @@ def _gathered_by(view: ti.BoundSymbol, a: DTensorProxy) -> bool:
         (isinstance(p, ti.Shard) or ti.is_strided_shard(p)) and isinstance(q, ti.Replicate)
         for p, q in zip(source.placements, a.placements)
     )
-
-
-def _gathering_view(view: ti.BoundSymbol | None, a: DTensorProxy | None) -> ti.BoundSymbol | None:
-    """The view op in the chain of views that made ``a`` (``y[1:][:, ::2]``) that DTensor ran on gathered data."""
-    while view is not None:
-        if _gathered_by(view, cast(DTensorProxy, a)):  # (not None: ``view`` made it)
-            return view
-        a = next((x for x in view.flat_proxy_args if isinstance(x, DTensorProxy)), None)
-        view = _view_made_by(a) if a is not None else None
-    return None
-
-
-def _check_destination(name: str, a: Any, args: tuple, kwargs: dict) -> None:
-    """Refuse, at trace time, a write into a view that DTensor computed on gathered data (eager loses it)."""
-    view = _view_made_by(a) if isinstance(a, DTensorProxy) else None
-    gathered = _gathering_view(view, a) if view is not None else None
-    if gathered is not None:
-        raise DTensorOpError(
-            name,
-            (a, *args),
-            kwargs,
-            f"an in-place write into a view ({gathered.sym.name}) that DTensor computed on gathered data: the view is "
-            "a copy, so the write would not reach the viewed DTensor (eager DTensor loses it silently)",
-            hint="write out of place (torch.cat / torch.where), or redistribute the viewed DTensor to Replicate "
-            "before taking the view",
-        )
 
 
 def inplace_symbol(name: str, torch_fn: Callable, meta: Callable | None = None) -> ti.Symbol:
@@ -263,7 +232,6 @@ def _define_inplace_symbol(name: str, value_of: Callable, *, snapshot: bool) -> 
 
     def inplace(a, *args, **kwargs):
         grad_enabled = ti.grad_enabled_while_tracing()
-        _check_destination(name, a, args, kwargs)
         source = dtensor_snapshot_prim(a) if snapshot and grad_enabled and isinstance(a, DTensorProxy) else a
         return dtensor_copy__prim(value_of(source, *args, **kwargs), a, grad_enabled=grad_enabled)
 
@@ -300,7 +268,6 @@ define_vjp(VALUE_PRIMS["mul_"])(_mul_vjp)
 
 
 def _copy_(a, src, non_blocking=False):
-    _check_destination("copy_", a, (src,), {"non_blocking": non_blocking})  # (fuzz seeds 5007, 5043: not checked)
     return dtensor_copy__prim(src, a, grad_enabled=ti.grad_enabled_while_tracing())
 
 
@@ -430,10 +397,12 @@ def _dtensor_view_name(bsym: ti.BoundSymbol) -> str | None:
 
 
 def _in_placements_of(value: DTensorProxy, like: DTensorProxy) -> DTensorProxy:
-    """``value`` in ``like``'s placements: a write keeps the written DTensor's placements (eager's in-place op)."""
+    """``value`` in ``like``'s placements: a write keeps the written DTensor's placements (eager's in-place op),
+    and its gradient is in them too, as eager's backward of the write gives it (a copy into ``like``'s layout; a
+    redistribution's backward would hand the gradient back in ``value``'s placements: fuzz seed 5022)."""
     if tuple(value.placements) == tuple(like.placements):
         return value
-    return _dtensor_call(ti.DTensor.redistribute, value, like.device_mesh, tuple(like.placements))
+    return _copied(value, like)
 
 
 def _copied(src: Any, like: DTensorProxy) -> DTensorProxy:
@@ -451,8 +420,9 @@ def _refuse_write(bsym: ti.BoundSymbol, why: str) -> None:
         bsym.sym.name.removeprefix("dtensor_"),
         bsym.args,
         bsym.kwargs,
-        f"an in-place write into a view of a DTensor whose gradient matters, through a view that cannot be "
-        f"written back into the viewed DTensor out of place ({why})",
+        f"an in-place write into a view of a DTensor that must be written back into the viewed DTensor out of "
+        f"place (its gradient matters, or DTensor took a view of the chain on gathered data, a copy), through a "
+        f"view that cannot be ({why})",
         hint="write out of place (torch.cat / torch.where), or run this part under torch.no_grad()",
     )
 
@@ -469,13 +439,16 @@ def _with_part_zeroed(view: Callable, scatter: Callable) -> Callable:
     """``g`` with the part ``view(g, *args)`` zeroed, as eager's backward of a write into a view computes it (a copy
     of the gradient, that view of it zeroed in place): its placements stay the gradient's (a Partial one too).
     Where DTensor takes that view on gathered data (a copy: zeroing it would change nothing), zeros are scattered
-    into the gradient out of place instead (``scatter``)."""
+    into the gradient out of place instead (``scatter``), the result redistributed to the gradient's placements."""
 
     def zeroed(g: Any, *args: Any) -> Any:
         out = _fresh_copy(g)
         part = view(out, *args)
-        if not ti.local_shards_alias(part, out):
-            return scatter(g, torch.zeros_like(part), *args)
+        if not ti.local_shards_alias(part, out):  # (in the gradient's placements, where a redistribution can)
+            scattered = scatter(g, torch.zeros_like(part), *args)
+            if any(p.is_partial() for p in g.placements) or tuple(scattered.placements) == tuple(g.placements):
+                return scattered
+            return scattered.redistribute(g.device_mesh, g.placements)
         part.zero_()
         return out
 
@@ -588,6 +561,7 @@ DTENSOR_VIEW_WRITES = ti.ViewWriteEmitter(
     copied=_copied,
     refuse=_refuse_write,
     read_for_a_write=dtensor_read_for_a_write_prim,
+    copied_by=_gathered_by,
 )
 
 

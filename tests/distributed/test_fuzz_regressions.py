@@ -660,3 +660,32 @@ def test_collectives_are_issued_in_one_order_on_every_rank_under_thunderfx():
         half = distribute_tensor(fulls[2] / 2, mesh_1d(), [Replicate()]).to_local()
         values = DTensor.from_local(half, mesh_1d(), [Partial()])
         torch.testing.assert_close(thunderfx(fn)(x, ids, values).full_tensor(), expected, msg=f"call {call}")
+
+
+def _mul_into_a_transpose(x, o1):  # seed 5311
+    y = x.clone()
+    y.transpose(0, -1).mul_(o1)
+    return torch.sigmoid(y)
+
+
+def _add_a_partial_into_a_slice(x, o1, w2):  # seed 5153
+    y = F.gelu(x).clone()
+    y[0:1].add_(o1)
+    return F.linear(y, w2).softmax(dim=0)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    "program, shapes, placements",
+    [
+        (_mul_into_a_transpose, [(8, 7, 6), (6, 7, 8)], [[Replicate()], [Shard(1)]]),
+        (_add_a_partial_into_a_slice, [(5, 5, 3), (3,), (6, 3)], [[Replicate()], [Partial()], [Partial()]]),
+    ],
+    ids=["mul_ by a sharded operand", "add_ of a partial operand"],
+)
+def test_the_gradients_of_a_write_into_a_view_are_placed_as_eager_places_them(program, shapes, placements):
+    """Eager's in-place op brings its operand into the destination's placements: the destination's gradient ``g *
+    operand`` is in ``g``'s placements (seed 5311: ``g * o1`` was placed by ``o1``'s Shard(1), eager's is Replicate),
+    and an operand reduced from Partial gets a Replicate gradient (seed 5153: Partial)."""
+    fulls = [make_full(s, seed=40 + i) for i, s in enumerate(shapes)]
+    run_case(DTensorCase(program, fulls, placements, requires_grad=[True, True, False][: len(shapes)]))

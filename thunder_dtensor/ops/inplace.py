@@ -240,6 +240,36 @@ def _define_inplace_symbol(name: str, value_of: Callable, *, snapshot: bool) -> 
     return symbol
 
 
+def _operand_grad_in_eager_placements(grad: Any, operand_placements: tuple, destination_placements: tuple) -> Any:
+    """``grad`` as eager's backward hands an in-place op's operand its gradient: where the operand was Partial and
+    the destination not, eager's forward reduced the operand into the destination's placements, and the backward
+    of that redistribution makes the gradient Replicate there (fuzz seeds 5153, 5340: Partial where eager's is
+    Replicate)."""
+    wanted = tuple(
+        ti.Replicate() if pb.is_partial() and not pa.is_partial() else pg
+        for pa, pb, pg in zip(destination_placements, operand_placements, grad.placements)
+    )
+    return grad if wanted == tuple(grad.placements) else grad.redistribute(grad.device_mesh, wanted)
+
+
+# A prim: the gradient's placements are known only when the backward's specs are propagated from the gradients that
+# flow (guards.propagate_gradient_specs); a choice made while autodiff traces the rule would see stand-ins.
+dtensor_operand_grad_in_eager_placements_prim = define_dtensor_prim(
+    "operand_grad_in_eager_placements", _operand_grad_in_eager_placements, differentiable=False
+)
+
+
+def _operand_grad(grad: Any, b: Any, a: Any) -> Any:
+    """An in-place op's gradient for its operand ``b`` (``a``: the destination), reduced to ``b``'s shape and dtype
+    and placed as eager places it."""
+    grad = grad_for_operand(grad, b)
+    if not all(isinstance(t, DTensorProxy) for t in (grad, b, a)) or not any(p.is_partial() for p in b.placements):
+        return grad
+    if not (grad.device_mesh == b.device_mesh == a.device_mesh):
+        return grad
+    return dtensor_operand_grad_in_eager_placements_prim(grad, tuple(b.placements), tuple(a.placements))
+
+
 def _add_or_sub_vjp(sign: int) -> Callable:
     """``a.add_(b, alpha=alpha)``: the gradient passes to ``a`` and, scaled by ``±alpha``, to ``b``.
 
@@ -248,15 +278,17 @@ def _add_or_sub_vjp(sign: int) -> Callable:
 
     def vjp(g, out, a, b, *, alpha=1):
         scale = sign * (ti.pyval(alpha) if isinstance(alpha, ti.NumberProxy) else alpha)
-        return g, grad_for_operand(g if scale == 1 else dtensor_mul_prim(g, scale), b)
+        return g, _operand_grad(g if scale == 1 else dtensor_mul_prim(g, scale), b, a)
 
     return vjp
 
 
 def _mul_vjp(g, out, a, b):
-    # ``a`` is the destination's value before the write (its snapshot under grad mode)
-    grad_b = grad_for_operand(dtensor_mul_prim(g, a), b) if isinstance(b, ti.TensorProxy) else None
-    return grad_for_operand(dtensor_mul_prim(g, b), a), grad_b
+    # ``a`` is the destination's value before the write (its snapshot under grad mode). Eager's forward brought
+    # ``b`` into the destination's placements; its gradient ``g * b`` is in ``g``'s: ``g.mul_(b)`` on a copy does
+    # both (``g * b`` let DTensor place the product by ``b``'s: fuzz seed 5311, Shard(1) where eager's is Replicate)
+    grad_b = _operand_grad(dtensor_mul_prim(g, a), b, a) if isinstance(b, ti.TensorProxy) else None
+    return grad_for_operand(VALUE_PRIMS["mul_"](g, b), a), grad_b
 
 
 for _name, _write in (("add_", torch.Tensor.add_), ("sub_", torch.Tensor.sub_)):

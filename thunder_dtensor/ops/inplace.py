@@ -240,16 +240,23 @@ def _define_inplace_symbol(name: str, value_of: Callable, *, snapshot: bool) -> 
     return symbol
 
 
-def _operand_grad_in_eager_placements(grad: Any, operand_placements: tuple, destination_placements: tuple) -> Any:
+def _operand_grad_in_eager_placements(
+    grad: Any, operand_placements: tuple, destination_placements: tuple, operand_ndim: int, destination_ndim: int
+) -> Any:
     """``grad`` as eager's backward hands an in-place op's operand its gradient: where the operand was Partial and
-    the destination not, eager's forward reduced the operand into the destination's placements, and the backward
-    of that redistribution makes the gradient Replicate there (fuzz seeds 5153, 5340: Partial where eager's is
-    Replicate)."""
-    wanted = tuple(
-        ti.Replicate() if pb.is_partial() and not pa.is_partial() else pg
-        for pa, pb, pg in zip(destination_placements, operand_placements, grad.placements)
-    )
-    return grad if wanted == tuple(grad.placements) else grad.redistribute(grad.device_mesh, wanted)
+    the destination not, eager's forward reduced the operand into the destination's placement there (a Shard of the
+    destination's dim, broadcast to the operand's, or Replicate), and the backward of that redistribution hands the
+    gradient over in that placement (fuzz seeds 5153: Partial where eager's is Replicate; 5178, 5305: Shard)."""
+    offset = destination_ndim - operand_ndim
+    wanted = []
+    for pa, pb, pg in zip(destination_placements, operand_placements, grad.placements):
+        if not pb.is_partial() or pa.is_partial():
+            wanted.append(pg)
+        elif isinstance(pa, ti.Shard) and pa.dim - offset >= 0 and grad.shape[pa.dim - offset] > 1:
+            wanted.append(ti.Shard(pa.dim - offset))
+        else:
+            wanted.append(ti.Replicate())
+    return grad if tuple(wanted) == tuple(grad.placements) else grad.redistribute(grad.device_mesh, tuple(wanted))
 
 
 # A prim: the gradient's placements are known only when the backward's specs are propagated from the gradients that
@@ -267,7 +274,7 @@ def _operand_grad(grad: Any, b: Any, a: Any) -> Any:
         return grad
     if not (grad.device_mesh == b.device_mesh == a.device_mesh):
         return grad
-    return dtensor_operand_grad_in_eager_placements_prim(grad, tuple(b.placements), tuple(a.placements))
+    return dtensor_operand_grad_in_eager_placements_prim(grad, tuple(b.placements), tuple(a.placements), b.ndim, a.ndim)
 
 
 def _add_or_sub_vjp(sign: int) -> Callable:
@@ -284,11 +291,10 @@ def _add_or_sub_vjp(sign: int) -> Callable:
 
 
 def _mul_vjp(g, out, a, b):
-    # ``a`` is the destination's value before the write (its snapshot under grad mode). Eager's forward brought
-    # ``b`` into the destination's placements; its gradient ``g * b`` is in ``g``'s: ``g.mul_(b)`` on a copy does
-    # both (``g * b`` let DTensor place the product by ``b``'s: fuzz seed 5311, Shard(1) where eager's is Replicate)
+    # ``a`` is the destination's value before the write (its snapshot under grad mode); eager's autograd records
+    # the op above DTensor's redistribution of ``b``, so ``g * b`` is placed by DTensor from ``b`` as it was
     grad_b = _operand_grad(dtensor_mul_prim(g, a), b, a) if isinstance(b, ti.TensorProxy) else None
-    return grad_for_operand(VALUE_PRIMS["mul_"](g, b), a), grad_b
+    return grad_for_operand(dtensor_mul_prim(g, b), a), grad_b
 
 
 for _name, _write in (("add_", torch.Tensor.add_), ("sub_", torch.Tensor.sub_)):

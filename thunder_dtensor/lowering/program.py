@@ -54,9 +54,13 @@ def claimed(bsyms: list, executors: Sequence[Any]) -> list:
     """Emitted ops (the symbols of the lowering's two executors) bound to the operators that will run them (see
     ``lower_dtensor_program``)."""
     out = []
+    # collectives and the boundary run on ``dtensor_comm`` wherever no fusion executor takes them (the torch
+    # executor has them too, only for the torch.compile executor's regions, which it runs)
+    comm_executors = [ex for ex in executors if ex.name != "torch"]
     for bsym in bsyms:
-        emitted = bsym.sym.id in dtensor_local_ex.implmap or bsym.sym.id in dtensor_comm_ex.implmap
-        op = ti.claiming_operator(bsym, executors) if emitted else None
+        comm = bsym.sym.id in dtensor_comm_ex.implmap
+        emitted = comm or bsym.sym.id in dtensor_local_ex.implmap
+        op = ti.claiming_operator(bsym, comm_executors if comm else executors) if emitted else None
         out.append(bsym if op is None else op.bind(*bsym.args, output=bsym.output, **bsym.kwargs))
     return out
 

@@ -58,12 +58,13 @@ def test_every_dtensor_bsym_runs_on_dtensor_executor(executors, lowering):
         assert fused and any(s.sym.name in ("mul", "add") for b in fused for s in b.subsymbols)
         torch.testing.assert_close(out.full_tensor(), fn(*(t.full_tensor() for t in (x, w, b))))
 
-    # no other executor claims a dtensor prim or a collective
+    # no other executor claims a dtensor prim; a collective only thunder's torch.compile executor, whose regions the
+    # torch executor runs (inductor compiles functional collectives), never where no fusion executor takes it (above)
     for ex in _available_executors():
         for name, prim in DTENSOR_PRIMS.items():
             assert prim.id not in ex.implmap, f"{ex.name} has an implementation of {name}"
         for name, sym in COLLECTIVE_SYMBOLS.items():
-            assert sym.id not in ex.implmap, f"{ex.name} has an implementation of {name}"
+            assert ex.name in ("torchcompile", "torch") or sym.id not in ex.implmap, f"{ex.name} has {name}"
 
 
 @pytest.mark.world_size(2)

@@ -341,6 +341,17 @@ def test_vocab_parallel_embedding_scale_grad_by_freq(padding_idx):
     )  # fmt: skip
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("ids_placements", [[Shard(0)], [Shard(1)]], ids=["ids S0", "ids S1"])
+def test_embedding_scale_grad_by_freq_counts_every_shards_ids(ids_placements):
+    """Eager DTensor scales each shard's gradient by that shard's own counts and sums the shards (fuzz seeds 1072,
+    5130, 5800, ...: a wrong weight gradient, silently); the ids are made Replicate first: plain torch's gradient.
+    Eager is no reference here."""
+    fulls = [_ids(), make_full((8, 6), seed=28)]
+    case = DTensorCase(EMBEDDING["scale_grad_by_freq"], fulls, [ids_placements, R], requires_grad=[False, True])
+    run_case(case, compare_eager=False)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Refused keywords: a DTensorOpError at trace time, naming the op and the placements
 # ---------------------------------------------------------------------------------------------------------

@@ -7,6 +7,11 @@ vocabulary range and contributes zeros for the rest: the output is a sum pending
 result as eager does (DTensor's rules reduce a masked partial before a pointwise op). ``padding_idx`` keeps the
 gradient of its row zero on the rank that holds the row; ``scale_grad_by_freq`` counts only the ids of the
 rank's own range. ``max_norm`` and ``sparse`` take eager DTensor's rules (a prim per op, as for other layouts).
+
+``scale_grad_by_freq`` with sharded ids and a table that takes a gradient: eager DTensor scales each shard's
+gradient by that shard's own counts of the ids, and sums the shards: a wrong weight gradient (fuzz seeds 1072,
+5130, 5800, ...). The ids are made Replicate first, so the counts are the whole batch's (the output is placed as
+DTensor places a lookup of replicated ids, which is not eager's placement there).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.dispatch import register_function_for_dtensor
+from thunder_dtensor.dispatch import dtensor_callable_for, register_function_for_dtensor
 from thunder_dtensor.ops.fallback import fallback_prim
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
@@ -88,6 +93,10 @@ def dtensor_embedding(
             )
             padding_idx = padding_idx % vocabulary
         return dtensor_vocab_parallel_embedding_prim(ids, weight, mesh_dim, padding_idx, scale_grad_by_freq)
+    sharded_ids = isinstance(ids, DTensorProxy) and not all(p.is_replicate() for p in ids.placements)
+    if scale_grad_by_freq and sharded_ids and getattr(weight, "requires_grad", False):
+        redistribute = dtensor_callable_for(ti.DTensor.redistribute)
+        ids = redistribute(ids, ids.device_mesh, [ti.Replicate()] * ids.device_mesh.ndim)
     return fallback_prim(F.embedding)(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
 
 

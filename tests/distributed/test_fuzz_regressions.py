@@ -539,9 +539,9 @@ def test_gradients_through_writes_into_views_have_eagers_placements(lowering):
     """Found with writes into views drawn (``--view-writes``), seed 56: the gradients of ``x`` and ``table`` came
     out Replicate where eager's are Partial(avg) and Shard(1). The scatter's backward now zeroes the written part
     of a copy of the gradient, as eager's does (it scattered zeros into it), and ``copy_``'s source is copied
-    into the written view's placements with eager's ``copy_`` gradient. Still different: ``o``'s gradient is
-    Partial(avg) where eager's is Replicate (values equal; eager reduces the Partial gradient somewhere in its
-    backward of the copy over the whole tensor)."""
+    into the written view's placements with eager's ``copy_`` gradient. ``o``'s gradient was Partial(avg) where
+    eager's is Replicate: eager's backward of a write into a view clones the view of the gradient, which reduces a
+    Partial one (so does the functional form now)."""
     inputs = [make_full((8, 4, 7), seed=42), torch.randint(0, 5, (8, 4)), make_full((5, 7), seed=43)]
     two_writes = DTensorCase(
         _two_writes_into_views_then_a_mean_of_one,
@@ -550,7 +550,7 @@ def test_gradients_through_writes_into_views_have_eagers_placements(lowering):
         requires_grad=[True, False, True, True],
         mesh=mesh_1d(),
     )
-    run_case(two_writes, jit_kwargs={"dtensor_lowering": lowering}, own_grad_placements={3: [Partial("avg")]})
+    run_case(two_writes, jit_kwargs={"dtensor_lowering": lowering})
 
 
 def _fill_into_a_column_then_into_a_row(x, row_mask, column_mask):
@@ -684,8 +684,87 @@ def _subtract_a_partial(x, o1):  # seed 5178
     ids=["add_ into a view (Replicate)", "sub_ from a sharded tensor (Shard)"],
 )
 def test_an_in_place_operand_reduced_from_partial_gets_its_gradient_placed_as_eager_does(program, shapes, placements):
-    """Eager's in-place op reduces a Partial operand into the destination's placement; the backward of that
-    redistribution hands the operand's gradient over in that placement: Replicate (seed 5153: we gave Partial)
-    or the destination's Shard (seed 5178, after a first fix of 5153 gave Replicate)."""
+    """A Partial operand of an in-place op gets its gradient in eager's placement: Replicate through a write into a
+    view (seed 5153: we gave Partial; eager's backward of the write clones the view of the gradient, which reduces
+    a Partial one), and the gradient's own Shard for a write into the whole tensor (seed 5178)."""
     fulls = [make_full(s, seed=40 + i) for i, s in enumerate(shapes)]
     run_case(DTensorCase(program, fulls, placements, requires_grad=[True, True, False][: len(shapes)]))
+
+
+def _scale_a_transpose_by_a_sharded_operand(x, o1):  # seed 5311
+    y = x.clone()
+    y.transpose(0, -1).mul_(o1)
+    return torch.sigmoid(y).softmax(dim=2)
+
+
+def _add_into_a_transpose_read_by_a_partial_matmul(x, o1, o2):  # seed 5340
+    y = x.view(-1, 3, 8, 5).clone()
+    v = y.transpose(0, -1)
+    v.add_(o1)
+    return (o2 @ (y * v.mean())).softmax(dim=2)
+
+
+def _scale_a_transpose_by_a_partial_operand(x, o1, g2):  # seed 5472
+    y = x[..., ::2].view(2, 2, 2).clone()
+    y.transpose(0, -1).mul_(o1)
+    return F.layer_norm(y.mean(dim=0), (2,), g2)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    "program, shapes, placements, requires_grad",
+    [
+        (_scale_a_transpose_by_a_sharded_operand, [(8, 7, 6), (6, 7, 8)], [[Replicate()], [Shard(1)]], [True, True]),
+        (
+            _add_into_a_transpose_read_by_a_partial_matmul,
+            [(6, 8, 5), (2,), (6, 8)],
+            [[Shard(0)], [Shard(0)], [Partial()]],
+            [False, True, True],
+        ),
+        (
+            _scale_a_transpose_by_a_partial_operand,
+            [(2, 8), (2, 2, 2), (2,)],
+            [[Replicate()], [Partial()], [Partial()]],
+            [True, True, True],
+        ),
+    ],
+    ids=["whole-view write, sharded operand", "Partial cotangent of the written view", "Partial operand"],
+)
+def test_a_write_through_a_view_of_all_of_a_tensor_places_gradients_as_eager(
+    program, shapes, placements, requires_grad
+):
+    """Writes through a transpose (all of the tensor): eager's backward of a write into a view (autograd's
+    CopySlices) copies the write's gradient into a copy of the written tensor's cotangent, and runs the write's own
+    backward on a clone of that view of it, which reduces a Partial cotangent. The functional form now does both (a
+    scatter over all of the tensor, a clone of the written value's cotangent); before, the transposed write's
+    gradient kept the write's placements (seed 5311: x's gradient Shard(1), eager's Replicate) or a Partial one
+    reached the operand (seeds 5340, 5472)."""
+    fulls = [make_full(s, seed=60 + i) for i, s in enumerate(shapes)]
+    run_case(DTensorCase(program, fulls, placements, requires_grad=requires_grad, mesh=mesh_1d()))
+
+
+def _scaled_lookup_in_a_vocab_sharded_table(x, ids, w):  # seed 5832
+    return x + F.embedding(ids, w, padding_idx=-4, scale_grad_by_freq=True)
+
+
+@pytest.mark.world_size(2)
+def test_a_frequency_scaled_lookup_of_sharded_ids_in_a_vocab_sharded_table():
+    """Seed 5832: the ids are made Replicate (the counts must be the whole batch's), and the lookup then took eager's
+    vocab-parallel rule at run time, whose mask buffer the trace-time fake run had left filled with a fake mask in
+    DTensor's sharding cache: the run failed comparing masks (and an eager call of the same lookup after it too).
+    Now the vocab-parallel lookup takes the replicated ids, and its output is placed as eager places the lookup of
+    the ids as given."""
+    fulls = [make_full((5, 5, 8), seed=70), torch.randint(0, 4, (5, 5), generator=torch.Generator().manual_seed(71))]
+    fulls.append(make_full((4, 8), seed=72))
+    case = DTensorCase(
+        _scaled_lookup_in_a_vocab_sharded_table,
+        fulls,
+        [[Shard(2)], [Shard(1)], [Shard(0)]],
+        requires_grad=[True, False, True],
+        mesh=mesh_1d(),
+    )
+    run_case(case, own_grad_placements={2: [Shard(0)]})
+    ids = distribute_tensor(fulls[1], mesh_1d(), [Shard(1)])
+    table = distribute_tensor(fulls[2], mesh_1d(), [Shard(0)])
+    eager = F.embedding(ids, table, padding_idx=-4, scale_grad_by_freq=True)  # (eager after the trace)
+    torch.testing.assert_close(eager.full_tensor(), F.embedding(fulls[1], fulls[2], padding_idx=-4))

@@ -457,21 +457,42 @@ def test_eager_rejections_raise_dtensor_op_error_at_trace_time(name):
         torch.testing.assert_close(x.to_local(), local)
 
 
-def test_setitem_along_a_sharded_dim_is_refused():
-    """Eager slices a sharded dim on a redistributed copy, so ``x[1:3] = v`` silently leaves x unchanged."""
+def _set_rows(x, v):
+    x[1:3] = v
+    return x * 1
 
-    def fn(x, v):
-        x[1:3] = v
-        return x * 1
 
-    x, v = distribute_tensor(make_full((4, 6), seed=50), mesh_1d(), S0), make_full((2, 6), seed=51)
-    eager_v = distribute_tensor(v, mesh_1d(), R)
-    before = x.full_tensor()
-    fn(x, eager_v)
-    torch.testing.assert_close(x.full_tensor(), before)  # eager: the write is lost (torch 2.13)
-    with pytest.raises(DTensorOpError, match="sharded dim") as info:
-        thunder.jit(fn)(x, eager_v)
-    assert "placements=(Shard(dim=0),)" in str(info.value)
+def _set_rows_of_a_copy(x, v):
+    y = x.clone()
+    y[1:3] = v
+    y[0] = 0.5
+    return y * 2
+
+
+@pytest.mark.parametrize(
+    "fn, requires_grad", [(_set_rows, False), (_set_rows_of_a_copy, False), (_set_rows_of_a_copy, True)]
+)
+def test_setitem_along_a_sharded_dim_writes_the_tensor(fn, requires_grad):
+    """Eager slices a sharded dim on a redistributed copy, so ``x[1:3] = v`` silently leaves x unchanged (it was
+    refused here); it is now a write into that view, which the functional rewrite writes back: plain torch's
+    values, in the input too, and its gradients."""
+    full, v_full = make_full((4, 6), seed=50), make_full((2, 6), seed=51)
+    x = distribute_tensor(full, mesh_1d(), S0)
+    eager_x, eager_v = distribute_tensor(full, mesh_1d(), S0), distribute_tensor(v_full, mesh_1d(), R)
+    if fn is _set_rows:  # (eager has no rule for ``y[0] = 0.5`` on a sharded dim: aten.fill_.Tensor)
+        fn(eager_x, eager_v)
+        torch.testing.assert_close(eager_x.full_tensor(), full)  # eager: the write is lost (torch 2.13)
+    x, v = x.requires_grad_(requires_grad), distribute_tensor(v_full, mesh_1d(), R).requires_grad_(requires_grad)
+    plain_x, plain_v = full.clone().requires_grad_(requires_grad), v_full.clone().requires_grad_(requires_grad)
+    expected, out = fn(plain_x, plain_v), thunder.jit(fn)(x, v)
+    torch.testing.assert_close(out.full_tensor(), expected.detach())
+    torch.testing.assert_close(x.full_tensor(), plain_x.detach())
+    assert tuple(x.placements) == tuple(S0)
+    if requires_grad:
+        expected.backward(torch.ones_like(expected))
+        out.backward(torch.ones_like(out))
+        torch.testing.assert_close(x.grad.full_tensor(), plain_x.grad)
+        torch.testing.assert_close(v.grad.full_tensor(), plain_v.grad)
 
 
 REDISTRIBUTING = {

@@ -352,6 +352,21 @@ def test_embedding_scale_grad_by_freq_counts_every_shards_ids(ids_placements):
     run_case(case, compare_eager=False)
 
 
+def _scaled_lookup_plus(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x + F.embedding(ids, w, scale_grad_by_freq=True)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("table", [R, S0], ids=["replicated table", "vocab-sharded table"])
+def test_embedding_scale_grad_by_freq_counts_every_id_when_the_gradient_is_sharded_over_the_batch(table):
+    """Fuzz seed 5147: replicated ids, but the gradient arrives sharded over the batch (the sum with a sharded
+    ``x``): DTensor runs the lookup's backward per shard, each counting its own ids (eager too: a wrong weight
+    gradient, silently). The cotangent is made Replicate over the ids' dims first: plain torch's gradient."""
+    fulls = [make_full((2, 4, 6), seed=29), _ids(), make_full((8, 6), seed=30)]
+    case = DTensorCase(_scaled_lookup_plus, fulls, [S0, R, table], requires_grad=[True, False, True])
+    run_case(case, compare_eager=False)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Refused keywords: a DTensorOpError at trace time, naming the op and the placements
 # ---------------------------------------------------------------------------------------------------------

@@ -490,6 +490,17 @@ def clear_sharding_propagation_cache() -> None:
         clear_native_cache()
 
 
+def release_fake_masks(out: Any) -> None:
+    """Empty the mask buffers a fake run left filled in its outputs' placements (eager's vocab-parallel lookup,
+    ``_MaskPartial``): DTensor's sharding cache hands the same placement object to the run-time call of the op,
+    which would compare its real mask with the fake one and fail. For fake outputs no later fake run reduces."""
+    for x in torch.utils._pytree.tree_leaves(out):
+        for placement in x.placements if isinstance(x, DTensor) else ():
+            buffer = getattr(placement, "mask_buffer", None)
+            if buffer is not None and is_fake(getattr(buffer, "data", None)):
+                buffer.data, buffer.refcount = None, 0
+
+
 def is_fake(x: Any) -> bool:
     """Whether ``x`` is a fake tensor (a trace-time stand-in), or a DTensor around one."""
     from torch._subclasses.fake_tensor import FakeTensor

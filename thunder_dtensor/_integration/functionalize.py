@@ -90,7 +90,9 @@ class ViewWriteEmitter:
     updates are taken from it), so that what flows back through those reads reaches the tensor as one cotangent
     (None: they read the tensor itself). ``copied_by(view, out)``: whether the view op made ``out`` as a copy (DTensor
     takes some views on gathered data): a write through it reaches the viewed tensor only rewritten, so it is
-    rewritten whether gradients matter or not (None: views are views).
+    rewritten whether gradients matter or not (None: views are views). ``written_value(v)``: the view's new value
+    as the write's backward sees its cotangent (eager's backward of a write into a view runs on a copy of that view
+    of the gradient, which for a DTensor reduces a Partial one; None: as it is).
     """
 
     call: Callable[..., Any]
@@ -102,6 +104,7 @@ class ViewWriteEmitter:
     refuse: Callable[[BoundSymbol, str], None] | None = None
     read_for_a_write: Callable[[Any], Any] | None = None
     copied_by: Callable[[BoundSymbol, Any], bool] | None = None
+    written_value: Callable[[Any], Any] | None = None
 
 
 def _plain_call(torch_fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -495,15 +498,19 @@ class _Rewrite:
             value = self._emit(emitter.call, torch.Tensor.expand, value, tuple(target.shape))
         if value.dtype != target.dtype:
             value = self._emit(emitter.call, torch.Tensor.to, value, dtypes.to_torch_dtype(target.dtype))
+        if emitter.written_value is not None:
+            value = self._emit(emitter.written_value, value)
         for d in self._chain(destination):
             taken = d.parent != root and d.parent in read  # (the root's own cotangent: the scatter's part)
             base = read[d.parent] if taken else self._current(d.parent)
             value = self._emit(_scatter, emitter, d.name, d.view, d.index, base, value)
         before = self._current(root)
         whole = all(d.name not in _SUBSET_VIEWS for d in self._chain(destination))
-        if whole and name in _VALUES_IGNORING_THE_DESTINATION and before.name in self.needs_grad and before.ndim > 0:
-            # all of it overwritten, by a value that does not read it (``y.t().copy_(c)``): eager's result still
-            # depends on the old value (a zero gradient, requires_grad); a scatter over all of it keeps that
+        if whole and before.name in self.needs_grad and before.ndim > 0 and self._scatters_a_whole_write(name, emitter):
+            # all of it written (``y.t().mul_(w)``), as a scatter over all of it: eager's backward copies the write's
+            # gradient into a copy of the written tensor's (autograd's CopySlices), so the gradient keeps that one's
+            # placements, which the scatter's rule gives (fuzz seed 5311); a value that does not read the old one
+            # (``y.t().copy_(c)``) still depends on it in eager (a zero gradient, requires_grad), as the scatter does
             value = self._emit(emitter.call, torch.slice_scatter, before, value, _unsharded_dim(before))
         if emitter.keep_layout is not None:
             value = self._emit(emitter.keep_layout, value, before)
@@ -513,6 +520,12 @@ class _Rewrite:
             self._emit(emitter.write_into_input, self.proxies[root], value)
         self.alias_of[self._out_name(bsym)] = destination
         self.changed = True
+
+    @staticmethod
+    def _scatters_a_whole_write(name: str, emitter: ViewWriteEmitter) -> bool:
+        """Whether a write through views of all of a tensor that needs grad becomes a scatter over all of it: where
+        it ignores the old value, and where gradients have placements to keep (``read_for_a_write``: DTensors)."""
+        return name in _VALUES_IGNORING_THE_DESTINATION or emitter.read_for_a_write is not None
 
     @staticmethod
     def _out_name(bsym: BoundSymbol) -> str:

@@ -10,8 +10,9 @@ rank's own range. ``max_norm`` and ``sparse`` take eager DTensor's rules (a prim
 
 ``scale_grad_by_freq`` with sharded ids and a table that takes a gradient: eager DTensor scales each shard's
 gradient by that shard's own counts of the ids, and sums the shards: a wrong weight gradient (fuzz seeds 1072,
-5130, 5800, ...). The ids are made Replicate first, so the counts are the whole batch's (the output is placed as
-DTensor places a lookup of replicated ids, which is not eager's placement there).
+5130, 5800, ...). The ids are made Replicate first, so the counts are the whole batch's, and the output is then
+redistributed to the placements eager gives the lookup of the ids as they were. Its cotangent, sharded over the
+batch, would be counted per shard the same way (seed 5147): it is made Replicate over the batch's dims first.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import dtensor_callable_for, register_function_for_dtensor
 from thunder_dtensor.ops.fallback import fallback_prim
-from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
+from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_vjp, propagated_fakes
 from thunder_dtensor.proxy import DTensorProxy
-from thunder_dtensor.spec import MaskPartial, contiguous_stride
+from thunder_dtensor.spec import MaskPartial, as_traced_placement, contiguous_stride
 
 import torch
 import torch.nn.functional as F
@@ -78,10 +79,7 @@ def _vocab_mesh_dim(ids: Any, weight: Any) -> int | None:
     return dim if isinstance(ids.placements[dim], ti.Replicate) else None
 
 
-@define_dtensor_symbol
-def dtensor_embedding(
-    ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False
-):
+def _lookup(ids: Any, weight: Any, padding_idx: Any, max_norm: Any, norm_type: Any, scale: bool, sparse: bool) -> Any:
     mesh_dim = _vocab_mesh_dim(ids, weight)
     if mesh_dim is not None and max_norm is None and not sparse:
         if padding_idx is not None:  # F.embedding's own check and normalization of a negative index
@@ -92,12 +90,73 @@ def dtensor_embedding(
                 exception_type=AssertionError,
             )
             padding_idx = padding_idx % vocabulary
-        return dtensor_vocab_parallel_embedding_prim(ids, weight, mesh_dim, padding_idx, scale_grad_by_freq)
+        return dtensor_vocab_parallel_embedding_prim(ids, weight, mesh_dim, padding_idx, scale)
+    return fallback_prim(F.embedding)(ids, weight, padding_idx, max_norm, norm_type, scale, sparse)
+
+
+def _eager_lookup_placements(ids: Any, weight: Any) -> tuple:
+    """The placements eager DTensor gives a lookup of ``ids`` in ``weight`` (its own rules, run on fakes)."""
+    out = propagated_fakes("embedding_eager_placements", F.embedding, (ids, weight), {})
+    ti.release_fake_masks(out)  # (only its placements are read: a masked lookup's mask is left filled otherwise)
+    return tuple(as_traced_placement(p) for p in out.placements)
+
+
+def _unsharded_over_the_batch(g: Any, batch_ndim: int) -> Any:
+    """``g`` with no mesh dim sharding one of its first ``batch_ndim`` dims (the ids' dims): Replicate there."""
+    wanted = [
+        ti.Replicate() if (isinstance(p, ti.Shard) or ti.is_strided_shard(p)) and p.dim < batch_ndim else p
+        for p in g.placements
+    ]
+    return g if wanted == list(g.placements) else g.redistribute(g.device_mesh, wanted)
+
+
+# A prim: the gradient's placements are known only when the backward's specs are propagated from the gradients that
+# flow (guards.propagate_gradient_specs); a choice made while autodiff traces the rule would see stand-ins.
+dtensor_unsharded_over_the_batch_prim = define_dtensor_prim(
+    "unsharded_over_the_batch", _unsharded_over_the_batch, differentiable=False
+)
+
+
+def _counted_over_the_batch(a: Any, batch_ndim: int) -> Any:
+    return a.view_as(a)
+
+
+dtensor_counted_over_the_batch_prim = define_dtensor_prim(
+    "counted_over_the_batch",
+    _counted_over_the_batch,
+    not_lowered="marks a frequency-scaled lookup, whose cotangent must hold every id's rows (a view: no data moves)",
+)
+
+
+@define_vjp(dtensor_counted_over_the_batch_prim)
+def _counted_over_the_batch_vjp(g, out, a, batch_ndim):
+    # the lookup's backward scales by each id's count among the ids it sees with the gradient: with the gradient
+    # sharded over the batch, DTensor runs it per shard, each counting its own ids (fuzz seed 5147, eager too)
+    return (dtensor_unsharded_over_the_batch_prim(g, batch_ndim),)
+
+
+@define_dtensor_symbol
+def dtensor_embedding(
+    ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False
+):
     sharded_ids = isinstance(ids, DTensorProxy) and not all(p.is_replicate() for p in ids.placements)
-    if scale_grad_by_freq and sharded_ids and getattr(weight, "requires_grad", False):
-        redistribute = dtensor_callable_for(ti.DTensor.redistribute)
-        ids = redistribute(ids, ids.device_mesh, [ti.Replicate()] * ids.device_mesh.ndim)
-    return fallback_prim(F.embedding)(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    counted = scale_grad_by_freq and getattr(weight, "requires_grad", False) and isinstance(ids, DTensorProxy)
+    if not counted:
+        return _lookup(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    if not sharded_ids:
+        out = _lookup(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        return dtensor_counted_over_the_batch_prim(out, ids.ndim)
+    # the counts must be the whole batch's: a lookup of replicated ids (the vocab-parallel one where the table is
+    # vocab-sharded, fuzz seed 5832), placed as eager places the lookup of the ids as given
+    eager_placements = _eager_lookup_placements(ids, weight)
+    redistribute = dtensor_callable_for(ti.DTensor.redistribute)
+    replicated = redistribute(ids, ids.device_mesh, [ti.Replicate()] * ids.device_mesh.ndim)
+    out = dtensor_counted_over_the_batch_prim(
+        _lookup(replicated, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse), ids.ndim
+    )
+    if tuple(out.placements) == eager_placements or any(p.is_partial() for p in eager_placements):
+        return out
+    return redistribute(out, out.device_mesh, list(eager_placements))
 
 
 register_function_for_dtensor(F.embedding, dtensor_embedding)

@@ -198,6 +198,29 @@ def _setitem(a: Any, key: Any, value: Any) -> None:
     a[key] = value
 
 
+def _gathered(view: DTensorProxy, source: DTensorProxy) -> bool:
+    """Whether DTensor took ``view`` of ``source`` on gathered data: a mesh dim sharded in ``source`` is Replicate in
+    ``view``, which is then a copy."""
+    return any(
+        (isinstance(p, ti.Shard) or ti.is_strided_shard(p)) and isinstance(q, ti.Replicate)
+        for p, q in zip(source.placements, view.placements)
+    )
+
+
+def _setitem_(a: Any, key: Any, value: Any) -> Any:
+    """``a[key] = value``. Where DTensor takes the view ``a[key]`` on gathered data (a basic index of a sharded dim),
+    eager's write lands in that copy and ``a`` keeps its old values; here it is a write into the view (``copy_``,
+    ``fill_``), which the functional rewrite writes back into ``a`` (plain torch's values), as for any write into
+    such a view."""
+    if isinstance(a, DTensorProxy) and _is_basic_index(key):
+        view = _dtensor_call(torch.Tensor.__getitem__, a, key)
+        if view.device_mesh == a.device_mesh and _gathered(view, a):
+            if isinstance(value, ti.TensorProxy):
+                return INPLACE_SYMBOLS["copy_"](view, value)
+            return INPLACE_SYMBOLS["fill_"](view, value)
+    return INPLACE_SYMBOLS["setitem_"](a, key, value)
+
+
 def _gathered_by(view: ti.BoundSymbol, a: Any) -> bool:
     """Whether DTensor ran the view on gathered data: a mesh dim sharded in its input is Replicate in ``a``,
     so ``a`` is a copy, and a write into it reaches the viewed DTensor only as the rewrite writes it back
@@ -208,10 +231,7 @@ def _gathered_by(view: ti.BoundSymbol, a: Any) -> bool:
     source = next((x for x in view.flat_proxy_args if isinstance(x, DTensorProxy)), None)
     if source is None or source.device_mesh != a.device_mesh:
         return False
-    return any(
-        (isinstance(p, ti.Shard) or ti.is_strided_shard(p)) and isinstance(q, ti.Replicate)
-        for p, q in zip(source.placements, a.placements)
-    )
+    return _gathered(a, source)
 
 
 def inplace_symbol(name: str, torch_fn: Callable, meta: Callable | None = None) -> ti.Symbol:
@@ -240,43 +260,6 @@ def _define_inplace_symbol(name: str, value_of: Callable, *, snapshot: bool) -> 
     return symbol
 
 
-def _operand_grad_in_eager_placements(
-    grad: Any, operand_placements: tuple, destination_placements: tuple, operand_ndim: int, destination_ndim: int
-) -> Any:
-    """``grad`` as eager's backward hands an in-place op's operand its gradient: where the operand was Partial and
-    the destination not, eager's forward reduced the operand into the destination's placement there (a Shard of the
-    destination's dim, broadcast to the operand's, or Replicate), and the backward of that redistribution hands the
-    gradient over in that placement (fuzz seeds 5153: Partial where eager's is Replicate; 5178, 5305: Shard)."""
-    offset = destination_ndim - operand_ndim
-    wanted = []
-    for pa, pb, pg in zip(destination_placements, operand_placements, grad.placements):
-        if not pb.is_partial() or pa.is_partial():
-            wanted.append(pg)
-        elif isinstance(pa, ti.Shard) and pa.dim - offset >= 0 and grad.shape[pa.dim - offset] > 1:
-            wanted.append(ti.Shard(pa.dim - offset))
-        else:
-            wanted.append(ti.Replicate())
-    return grad if tuple(wanted) == tuple(grad.placements) else grad.redistribute(grad.device_mesh, tuple(wanted))
-
-
-# A prim: the gradient's placements are known only when the backward's specs are propagated from the gradients that
-# flow (guards.propagate_gradient_specs); a choice made while autodiff traces the rule would see stand-ins.
-dtensor_operand_grad_in_eager_placements_prim = define_dtensor_prim(
-    "operand_grad_in_eager_placements", _operand_grad_in_eager_placements, differentiable=False
-)
-
-
-def _operand_grad(grad: Any, b: Any, a: Any) -> Any:
-    """An in-place op's gradient for its operand ``b`` (``a``: the destination), reduced to ``b``'s shape and dtype
-    and placed as eager places it."""
-    grad = grad_for_operand(grad, b)
-    if not all(isinstance(t, DTensorProxy) for t in (grad, b, a)) or not any(p.is_partial() for p in b.placements):
-        return grad
-    if not (grad.device_mesh == b.device_mesh == a.device_mesh):
-        return grad
-    return dtensor_operand_grad_in_eager_placements_prim(grad, tuple(b.placements), tuple(a.placements), b.ndim, a.ndim)
-
-
 def _add_or_sub_vjp(sign: int) -> Callable:
     """``a.add_(b, alpha=alpha)``: the gradient passes to ``a`` and, scaled by ``±alpha``, to ``b``.
 
@@ -285,7 +268,7 @@ def _add_or_sub_vjp(sign: int) -> Callable:
 
     def vjp(g, out, a, b, *, alpha=1):
         scale = sign * (ti.pyval(alpha) if isinstance(alpha, ti.NumberProxy) else alpha)
-        return g, _operand_grad(g if scale == 1 else dtensor_mul_prim(g, scale), b, a)
+        return g, grad_for_operand(g if scale == 1 else dtensor_mul_prim(g, scale), b)
 
     return vjp
 
@@ -293,7 +276,7 @@ def _add_or_sub_vjp(sign: int) -> Callable:
 def _mul_vjp(g, out, a, b):
     # ``a`` is the destination's value before the write (its snapshot under grad mode); eager's autograd records
     # the op above DTensor's redistribution of ``b``, so ``g * b`` is placed by DTensor from ``b`` as it was
-    grad_b = _operand_grad(dtensor_mul_prim(g, a), b, a) if isinstance(b, ti.TensorProxy) else None
+    grad_b = grad_for_operand(dtensor_mul_prim(g, a), b) if isinstance(b, ti.TensorProxy) else None
     return grad_for_operand(dtensor_mul_prim(g, b), a), grad_b
 
 
@@ -364,7 +347,7 @@ def register_inplace_ops() -> int:
         # torch.relu_(x) and x.relu_() are one op: one symbol, named after it, run as the Tensor method
         writer = _setitem if name == "setitem_" else getattr(torch.Tensor, name, torch_fn)
         symbol = INPLACE_SYMBOLS.get(name) or inplace_symbol(name, writer)
-        route = register_function_for_dtensor(torch_fn, symbol)
+        route = register_function_for_dtensor(torch_fn, _setitem_ if name == "setitem_" else symbol)
         if name in methods:
             route_method(name, route)
         count += 1
@@ -551,6 +534,25 @@ dtensor_read_for_a_write_prim = define_dtensor_prim(
 define_vjp(dtensor_read_for_a_write_prim)(lambda g, out, a: (_written_view_cotangent(g, "view"),))
 
 
+def _written_value(a: Any) -> Any:
+    return a.view_as(a)
+
+
+dtensor_written_value_prim = define_dtensor_prim(
+    "written_value",
+    _written_value,
+    not_lowered="marks the new value of a written view (a view of all of it: no data moves)",
+)
+
+
+@define_vjp(dtensor_written_value_prim)
+def _written_value_vjp(g, out, a):
+    # eager's backward of a write into a view (autograd's CopySlices) runs the write's own backward on a clone of
+    # that view of the gradient: DTensor's clone reduces a Partial gradient (fuzz seeds 5340, 5433: the operand's
+    # gradient Replicate, as eager's, not Partial)
+    return (_dtensor_call(torch.clone, g),)
+
+
 def _sum_written_view_cotangents(base: Any, view: Any) -> Any:
     """The two parts of a functional write's cotangent summed as eager's backward sums them: it copies what flowed
     back through the write's reads into the written part of a copy of the written tensor's cotangent, so the sum
@@ -600,6 +602,7 @@ DTENSOR_VIEW_WRITES = ti.ViewWriteEmitter(
     refuse=_refuse_write,
     read_for_a_write=dtensor_read_for_a_write_prim,
     copied_by=_gathered_by,
+    written_value=dtensor_written_value_prim,
 )
 
 

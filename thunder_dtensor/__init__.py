@@ -52,10 +52,11 @@ if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor.proxy import DTensorProxy, is_dtensor_proxy, proxify_dtensor
     from thunder_dtensor.spec import DTensorMeta
 
-    # DTensor's sharding rules that torch lacks, in its tables only while a thunderfx call runs
-    _integration.scope_sharding_rules_to_thunderfx_calls(ops.attention.THUNDERFX_SHARDING_RULES)
-    # x.item() under thunderfx runs as eager DTensor's (dynamo's graph ends there): the global value, as jit's
-    _integration.read_global_items_in_thunderfx_calls(ops.scalars.global_item)
+    # in DTensor's tables only while a thunderfx call runs: the sharding rules torch lacks, and the handler of
+    # x.item() (it runs as eager DTensor's, dynamo's graph ends there): the global value, as jit's
+    _integration.scope_dtensor_entries_to_thunderfx_calls(
+        ops.attention.THUNDERFX_SHARDING_RULES, ops.scalars.global_item
+    )
     # in-place DTensor ops keep their DTensor proxies through thunder's alias updates
     _integration.keep_dtensors_in_alias_updates(
         is_dtensor_proxy,

@@ -290,8 +290,7 @@ from thunder_dtensor._integration.thunderfx import (
     install_thunderfx_support,
     is_dynamo_dtensor_method_closure,
     is_opaque_script_object,
-    read_global_items_in_thunderfx_calls,
-    scope_sharding_rules_to_thunderfx_calls,
+    scope_dtensor_entries_to_thunderfx_calls,
     trace_on_proxies,
 )
 from thunder_dtensor._integration.tp_lookasides import register_lookaside, tensor_parallel_style_functions
@@ -498,8 +497,7 @@ __all__ += [
     "skip_empty_vectors_in_cat",
     "take_grouped_query_attention_in_sdpa",
     "take_python_types_as_tensor_dtypes",
-    "read_global_items_in_thunderfx_calls",
-    "scope_sharding_rules_to_thunderfx_calls",
+    "scope_dtensor_entries_to_thunderfx_calls",
     "set_cotangent_proxy_factory",
     "tolerate_sequences_that_cannot_be_iterated",
     "undo_all",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from typing import Any
 
@@ -200,16 +202,21 @@ def install_thunderfx_support(
     patch(fx_compiler.ThunderFXCompiledObject, "__call__", call_noting_dtensors, expects=wrapped_call)
 
 
-@installer("dtensor", "DTensor gets sharding rules for ops it lacks only while a thunderfx program is called")
-def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
-    """Give DTensor sharding rules for ops it has none for, only while a thunderfx program is called.
+@installer("dtensor", "DTensor's rule tables take our entries only while a thunderfx program is called")
+def scope_dtensor_entries_to_thunderfx_calls(rules: dict[Any, Callable], item_handler: Callable[..., Any]) -> None:
+    """Give DTensor entries of its rule tables only while a thunderfx-compiled object is called (one wrapper of the
+    call, both scoped entries in it), so eager DTensor, ``thunder.jit`` and processes that never call thunderfx
+    keep DTensor's own behaviour:
 
-    Dynamo traces a thunderfx program by running it on fake DTensors, so each DTensor op needs DTensor's own
-    sharding rule even where thunder's dtensor symbol has one (CPU's fused attention). Each rule (torch's
-    public ``register_sharding`` form: acceptable (output placements, input placements) per mesh dim) is
-    registered with DTensor's propagator for the duration of a call of a thunderfx-compiled object, and
-    removed after it, so eager DTensor, ``thunder.jit`` and processes that never call thunderfx keep DTensor's
-    own behaviour. An op torch already has a rule for keeps torch's (nothing registered).
+    * ``rules``: sharding rules for ops DTensor has none for. Dynamo traces a thunderfx program by running it on
+      fake DTensors, so each DTensor op needs DTensor's own sharding rule even where thunder's dtensor symbol has
+      one (CPU's fused attention). Each rule is in torch's public ``register_sharding`` form (acceptable (output
+      placements, input placements) per mesh dim); an op torch already has a rule for keeps torch's.
+    * ``item_handler``: DTensor's handler of ``aten._local_scalar_dense`` (``x.item()``). ``.item()`` ends
+      dynamo's graph, so it runs as eager DTensor's on the graph's output, and eager DTensor reads the local tensor
+      whatever its placements: a Partial value's unreduced part on each rank (torch's strategy for the op is
+      Replicate only, but its propagator skips the op). ``thunder.jit`` reads the global value; so does thunderfx
+      with the handler.
     """
     if not DISTRIBUTED_AVAILABLE:
         return
@@ -218,8 +225,6 @@ def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     missing = {op: rule for op, rule in rules.items() if op not in propagator.op_strategy_funcs}
-    if not missing:
-        return
     consulted = [False]  # a rule was asked during the current call: its decisions are in DTensor's cache
 
     def noting_use(strategy: Callable) -> Callable:
@@ -236,55 +241,37 @@ def scope_sharding_rules_to_thunderfx_calls(rules: dict[Any, Callable]) -> None:
         schema_info = propagator.op_to_schema_info.pop(op, None)
         if schema_info is not None:
             schema_infos[op] = schema_info
-    strategy_entries, schema_entries = (
+    during = "a call of a thunderfx-compiled object"
+    entries = [
         scoped_entries(
             getattr(propagator, table),
-            entries,
+            table_entries,
             table_name=f"torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator.{table}",
-            during="a call of a thunderfx-compiled object",
+            during=during,
         )
-        for table, entries in (("op_strategy_funcs", strategies), ("op_to_schema_info", schema_infos))
+        for table, table_entries in (("op_strategy_funcs", strategies), ("op_to_schema_info", schema_infos))
+        if table_entries
+    ]
+    entries.append(
+        scoped_entries(
+            DTensor._op_dispatcher._custom_op_handlers,
+            {torch.ops.aten._local_scalar_dense.default: item_handler},
+            table_name="torch.distributed.tensor.DTensor._op_dispatcher._custom_op_handlers",
+            during=during,
+        )
     )
     thunderfx_call = ThunderFXCompiledObject.__call__
 
-    def call_with_sharding_rules(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def call_with_dtensor_entries(self: Any, *args: Any, **kwargs: Any) -> Any:
         consulted[0] = False
         try:
-            with strategy_entries, schema_entries:
+            with contextlib.ExitStack() as stack:
+                for scoped in entries:
+                    stack.enter_context(scoped)
                 return thunderfx_call(self, *args, **kwargs)
         finally:
             if consulted[0]:  # (dynamo traced the attention) no decision made with a rule outlives the call
                 clear_sharding_propagation_cache()
 
     call = expects_function("thunder.dynamo", "self")
-    patch(ThunderFXCompiledObject, "__call__", call_with_sharding_rules, expects=call)
-
-
-@installer("dtensor", "a DTensor's .item() under thunderfx reads its global value, as thunder.jit's does")
-def read_global_items_in_thunderfx_calls(handler: Callable[..., Any]) -> None:
-    """Give eager DTensor ``handler`` for ``aten._local_scalar_dense`` (``x.item()``) only while a thunderfx
-    program is called.
-
-    ``.item()`` ends dynamo's graph, so it runs as eager DTensor's on the graph's output, and eager DTensor reads
-    the local tensor whatever its placements: a Partial value's unreduced part on each rank (torch's strategy for
-    the op is Replicate only, but its propagator skips the op). ``thunder.jit`` reads the global value; so does
-    thunderfx with ``handler``. Eager DTensor outside such a call keeps its own behaviour.
-    """
-    if not DISTRIBUTED_AVAILABLE:
-        return
-    from thunder.dynamo.compiler import ThunderFXCompiledObject
-
-    item_handler = scoped_entries(
-        DTensor._op_dispatcher._custom_op_handlers,
-        {torch.ops.aten._local_scalar_dense.default: handler},
-        table_name="torch.distributed.tensor.DTensor._op_dispatcher._custom_op_handlers",
-        during="a call of a thunderfx-compiled object",
-    )
-    thunderfx_call = ThunderFXCompiledObject.__call__
-
-    def call_reading_global_items(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with item_handler:
-            return thunderfx_call(self, *args, **kwargs)
-
-    call = expects_function(("thunder.dynamo", "thunder_dtensor"), "self")
-    patch(ThunderFXCompiledObject, "__call__", call_reading_global_items, expects=call)
+    patch(ThunderFXCompiledObject, "__call__", call_with_dtensor_entries, expects=call)

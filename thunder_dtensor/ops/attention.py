@@ -231,7 +231,7 @@ def cpu_fused_attention_shardings(query, key, value, dropout_p=0.0, is_causal=Fa
     What :func:`dtensor_scaled_dot_product_attention` does, said to DTensor: batch- or head-sharded q, k, v (and
     output and logsumexp) attend on local shards, sequence-sharded ones by ring attention (the output keeps q's
     sequence shards); anything else is replicated first. Used only while dynamo
-    traces a thunderfx program (``_integration.scope_sharding_rules_to_thunderfx_calls``), whose fake run of the
+    traces a thunderfx program (``_integration.scope_dtensor_entries_to_thunderfx_calls``), whose fake run of the
     attention needs an output spec; the program thunder builds runs the rule above.
     """
     replicate = ti.Replicate()

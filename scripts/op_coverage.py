@@ -8,6 +8,7 @@ import argparse
 import pathlib
 import re
 import time
+import types
 import warnings
 from typing import Any
 
@@ -93,8 +94,9 @@ _FAMILY_OF_MODULE = {
 
 def _family_module(symbol: Any) -> str:
     """The ``ops`` module that defined a dispatch entry's callable (an in-place wrapper: its out-of-place op's)."""
+    own = symbol.__module__ if isinstance(symbol, types.FunctionType) else None  # (a plain function: ``x[i] = v``)
     symbol = getattr(symbol, "out_of_place", symbol)
-    module = getattr(getattr(symbol, "meta", None), "__module__", None) or type(symbol).__module__
+    module = getattr(getattr(symbol, "meta", None), "__module__", None) or own or type(symbol).__module__
     return module.rsplit(".", 1)[-1] if module.startswith("thunder_dtensor.ops.") else ""
 
 

@@ -309,9 +309,46 @@ def propagated_fakes(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict
     compute = _fake_outputs_of_call
     if any(is_runtime_number(x) for x in flat):
         compute = _fake_outputs_independent_of_runtime_numbers
-    return PROPAGATION_CACHE.get_or_compute(
-        key, lambda: compute(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
-    )
+    mesh = _mesh_of_uneven_shards(flat)
+    if mesh is None:
+        return PROPAGATION_CACHE.get_or_compute(
+            key, lambda: compute(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
+        )
+    # every rank must decide alike whether the op runs: on uneven shards a fake run can fail on one rank's local
+    # shapes only (a reduction over an empty shard), and the ranks would then trace programs whose collectives do
+    # not pair up (fuzz seed 6176 at 4 ranks: a hang); each such call ends in one agreement of the ranks
+    try:
+        out = PROPAGATION_CACHE.get_or_compute(
+            key, lambda: compute(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
+        )
+        error = None
+    except DTensorOpError as e:
+        out, error = None, e
+    failed_elsewhere = ti.any_rank_of_mesh(error is not None, mesh)
+    if error is not None:
+        raise error
+    if failed_elsewhere:
+        raise DTensorOpError(
+            op_name,
+            args,
+            kwargs,
+            "DTensor's rules fail on another rank's local shard of these uneven shards (an empty one, say); every "
+            "rank takes the op the way the failing rank must",
+        )
+    return out
+
+
+def _mesh_of_uneven_shards(flat: list) -> Any:
+    """The device mesh of the DTensor inputs where one of them is sharded unevenly (its local shapes differ from
+    rank to rank: every rank computes every rank's, so all decide alike), else None."""
+    inputs = [x for x in flat if isinstance(x, DTensorProxy)]
+    if not inputs or any(x.device_mesh != inputs[0].device_mesh for x in inputs):
+        return None
+    for x in inputs:
+        shapes = ti.local_shapes_on_every_rank(x.meta.spec)
+        if shapes is not None and len(set(shapes.values())) > 1:
+            return inputs[0].device_mesh
+    return None
 
 
 def _output_metadata(out: Any) -> list:

@@ -768,3 +768,17 @@ def test_a_frequency_scaled_lookup_of_sharded_ids_in_a_vocab_sharded_table():
     table = distribute_tensor(fulls[2], mesh_1d(), [Shard(0)])
     eager = F.embedding(ids, table, padding_idx=-4, scale_grad_by_freq=True)  # (eager after the trace)
     torch.testing.assert_close(eager.full_tensor(), F.embedding(fulls[1], fulls[2], padding_idx=-4))
+
+
+@pytest.mark.world_size(4)
+def test_a_reduction_over_an_empty_shard_is_traced_alike_on_every_rank():
+    """Fuzz seed 6176 at 4 ranks: 5 rows sharded over 4 ranks are shards of 2, 2, 1 and 0 rows. DTensor's rule for
+    ``amax`` held on ranks 0-2, but its fake run failed on rank 3's empty shard, so rank 3 alone traced the
+    replicated fallback: the ranks' collectives did not pair up (a hang; eager DTensor raises on rank 3 alone). A
+    fake run on uneven shards now ends in one agreement of the ranks, and every rank takes the op alike."""
+    full = make_full((5, 4), seed=80)
+    x = distribute_tensor(full, mesh_1d(), [Shard(0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        out = thunder.jit(lambda x: (x * 2).amax() + 1)(x)
+    torch.testing.assert_close(out.full_tensor(), (full * 2).amax() + 1)

@@ -382,6 +382,38 @@ def local_offset(dtensor: Any) -> tuple[int, ...]:
     return tuple(int(o) for o in offset)
 
 
+def local_shapes_on_every_rank(spec: Any) -> dict[tuple[int, ...], tuple[int, ...]] | None:
+    """Each mesh coordinate's local shape of a DTensor of ``spec`` (every rank can compute every rank's), or None
+    where this torch lacks the helper."""
+    import itertools
+
+    from torch.distributed.tensor import _utils
+
+    compute = getattr(_utils, "_compute_local_shape_and_global_offset", None)
+    if compute is None:
+        return None
+    mesh_shape = tuple(spec.mesh.shape)
+    shapes = {}
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        shape = compute(spec.tensor_meta.shape, mesh_shape, list(coordinate), spec.placements, skip_offset=True)[0]
+        shapes[coordinate] = tuple(int(n) for n in shape)
+    return shapes
+
+
+def any_rank_of_mesh(flag: bool, mesh: Any) -> bool:
+    """Whether ``flag`` holds on any rank of ``mesh`` (a trace-time agreement: every rank of the mesh must call it
+    at the same point of its trace). A mesh that is not the whole world is not asked (``flag`` itself)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or mesh.size() != dist.get_world_size():
+        return flag
+    with outside_tracing_modes():
+        device = "cpu" if dist.get_backend() == "gloo" else mesh.device_type
+        votes = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(votes)
+    return bool(votes.item())
+
+
 @contextlib.contextmanager
 def outside_tracing_modes() -> Iterator[None]:
     """Leave any active fake tensor mode and make_fx (or recorder) tracing: for trace-time work on its own tensors."""
@@ -491,13 +523,13 @@ def clear_sharding_propagation_cache() -> None:
 
 
 def release_fake_masks(out: Any) -> None:
-    """Empty the mask buffers a fake run left filled in its outputs' placements (eager's vocab-parallel lookup,
-    ``_MaskPartial``): DTensor's sharding cache hands the same placement object to the run-time call of the op,
-    which would compare its real mask with the fake one and fail. For fake outputs no later fake run reduces."""
+    """Empty the mask buffers a trace-time run left filled in its outputs' placements (eager's masked lookup,
+    ``_MaskPartial``), where nothing downstream reads them: DTensor's sharding cache hands the same placement object
+    to the run-time call of the op, which would compare the real mask with the one left there and fail."""
     for x in torch.utils._pytree.tree_leaves(out):
         for placement in x.placements if isinstance(x, DTensor) else ():
             buffer = getattr(placement, "mask_buffer", None)
-            if buffer is not None and is_fake(getattr(buffer, "data", None)):
+            if buffer is not None and buffer.data is not None:
                 buffer.data, buffer.refcount = None, 0
 
 

@@ -309,19 +309,20 @@ def propagated_fakes(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict
     compute = _fake_outputs_of_call
     if any(is_runtime_number(x) for x in flat):
         compute = _fake_outputs_independent_of_runtime_numbers
-    mesh = _mesh_of_uneven_shards(flat)
-    if mesh is None:
+
+    def cached() -> Any:
         return PROPAGATION_CACHE.get_or_compute(
             key, lambda: compute(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
         )
+
+    mesh = _mesh_of_uneven_shards(flat)
+    if mesh is None:
+        return cached()
     # every rank must decide alike whether the op runs: on uneven shards a fake run can fail on one rank's local
     # shapes only (a reduction over an empty shard), and the ranks would then trace programs whose collectives do
     # not pair up (fuzz seed 6176 at 4 ranks: a hang); each such call ends in one agreement of the ranks
     try:
-        out = PROPAGATION_CACHE.get_or_compute(
-            key, lambda: compute(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
-        )
-        error = None
+        out, error = cached(), None
     except DTensorOpError as e:
         out, error = None, e
     failed_elsewhere = ti.any_rank_of_mesh(error is not None, mesh)
@@ -344,11 +345,7 @@ def _mesh_of_uneven_shards(flat: list) -> Any:
     inputs = [x for x in flat if isinstance(x, DTensorProxy)]
     if not inputs or any(x.device_mesh != inputs[0].device_mesh for x in inputs):
         return None
-    for x in inputs:
-        shapes = ti.local_shapes_on_every_rank(x.meta.spec)
-        if shapes is not None and len(set(shapes.values())) > 1:
-            return inputs[0].device_mesh
-    return None
+    return inputs[0].device_mesh if any(ti.sharded_unevenly(x.meta.spec) for x in inputs) else None
 
 
 def _output_metadata(out: Any) -> list:
@@ -846,6 +843,19 @@ def define_dtensor_symbol(fn: Callable) -> ti.Symbol:
 
 
 dtensor_alias_prim = define_dtensor_prim("alias", lambda a: a.view_as(a))
+
+
+def _view_of_all(a: Any, *parameters: Any) -> Any:
+    return a.view_as(a)
+
+
+def define_marker_prim(name: str, vjp: Callable, *, marks: str) -> ti.Symbol:
+    """A prim that is a view of all of its first argument (no data moves), there to give that value a gradient rule
+    of its own (``vjp(g, out, a, *parameters)``); its other arguments are the rule's parameters. Never lowered:
+    ``marks`` says what it marks."""
+    prim = define_dtensor_prim(name, _view_of_all, not_lowered=f"marks {marks} (a view of all of it: no data moves)")
+    define_vjp(prim)(vjp)
+    return prim
 
 
 @define_vjp(dtensor_alias_prim)

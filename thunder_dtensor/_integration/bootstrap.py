@@ -382,22 +382,23 @@ def local_offset(dtensor: Any) -> tuple[int, ...]:
     return tuple(int(o) for o in offset)
 
 
-def local_shapes_on_every_rank(spec: Any) -> dict[tuple[int, ...], tuple[int, ...]] | None:
-    """Each mesh coordinate's local shape of a DTensor of ``spec`` (every rank can compute every rank's), or None
-    where this torch lacks the helper."""
+@functools.lru_cache(maxsize=4096)
+def sharded_unevenly(spec: Any) -> bool:
+    """Whether a DTensor of ``spec`` has local shapes that differ from rank to rank (every rank computes every
+    rank's, so all answer alike); False where this torch lacks the helper. Cached: asked for every traced op."""
     import itertools
 
     from torch.distributed.tensor import _utils
 
     compute = getattr(_utils, "_compute_local_shape_and_global_offset", None)
     if compute is None:
-        return None
+        return False
     mesh_shape = tuple(spec.mesh.shape)
-    shapes = {}
-    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
-        shape = compute(spec.tensor_meta.shape, mesh_shape, list(coordinate), spec.placements, skip_offset=True)[0]
-        shapes[coordinate] = tuple(int(n) for n in shape)
-    return shapes
+    shapes = {
+        tuple(compute(spec.tensor_meta.shape, mesh_shape, list(coordinate), spec.placements, skip_offset=True)[0])
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape))
+    }
+    return len(shapes) > 1
 
 
 def any_rank_of_mesh(flag: bool, mesh: Any) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import dtensor_callable_for, register_function_for_dtensor
 from thunder_dtensor.ops.fallback import fallback_prim
-from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_vjp, propagated_fakes
+from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_marker_prim, propagated_fakes
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.spec import MaskPartial, as_traced_placement, contiguous_stride
 
@@ -117,22 +117,17 @@ dtensor_unsharded_over_the_batch_prim = define_dtensor_prim(
 )
 
 
-def _counted_over_the_batch(a: Any, batch_ndim: int) -> Any:
-    return a.view_as(a)
-
-
-dtensor_counted_over_the_batch_prim = define_dtensor_prim(
-    "counted_over_the_batch",
-    _counted_over_the_batch,
-    not_lowered="marks a frequency-scaled lookup, whose cotangent must hold every id's rows (a view: no data moves)",
-)
-
-
-@define_vjp(dtensor_counted_over_the_batch_prim)
 def _counted_over_the_batch_vjp(g, out, a, batch_ndim):
     # the lookup's backward scales by each id's count among the ids it sees with the gradient: with the gradient
     # sharded over the batch, DTensor runs it per shard, each counting its own ids (fuzz seed 5147, eager too)
     return (dtensor_unsharded_over_the_batch_prim(g, batch_ndim),)
+
+
+dtensor_counted_over_the_batch_prim = define_marker_prim(
+    "counted_over_the_batch",
+    _counted_over_the_batch_vjp,
+    marks="a frequency-scaled lookup, whose cotangent must hold every id's rows",
+)
 
 
 @define_dtensor_symbol

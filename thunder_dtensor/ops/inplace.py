@@ -64,6 +64,7 @@ from thunder_dtensor.primitive import (
     PRIMS,
     add_prim_record,
     define_dtensor_prim,
+    define_marker_prim,
     define_vjp,
     propagate_on_fake_dtensors,
 )
@@ -520,37 +521,25 @@ def _diagonal_scatter_vjp(g, out, base, src, offset=0, dim1=0, dim2=1):
     return _written_view_cotangent(dtensor_zero_diagonal_prim(g, offset, dim1, dim2), "base"), grad_src
 
 
-def _read_for_a_write(a: Any) -> Any:
-    """The written tensor as a write into a view of it reads it (a DTensor view of all of it): what flows back
-    through the reads gathers here, to be summed with the scatter's cotangent as eager sums it."""
-    return a.view_as(a)
-
-
-dtensor_read_for_a_write_prim = define_dtensor_prim(
+# the written tensor as a write into a view of it reads it: what flows back through the reads gathers here, to be
+# summed with the scatter's cotangent as eager sums it
+dtensor_read_for_a_write_prim = define_marker_prim(
     "read_for_a_write",
-    _read_for_a_write,
-    not_lowered="marks the cotangent of a write's reads (a view of all of the tensor: no data moves)",
-)
-define_vjp(dtensor_read_for_a_write_prim)(lambda g, out, a: (_written_view_cotangent(g, "view"),))
-
-
-def _written_value(a: Any) -> Any:
-    return a.view_as(a)
-
-
-dtensor_written_value_prim = define_dtensor_prim(
-    "written_value",
-    _written_value,
-    not_lowered="marks the new value of a written view (a view of all of it: no data moves)",
+    lambda g, out, a: (_written_view_cotangent(g, "view"),),
+    marks="the cotangent of a write's reads",
 )
 
 
-@define_vjp(dtensor_written_value_prim)
 def _written_value_vjp(g, out, a):
     # eager's backward of a write into a view (autograd's CopySlices) runs the write's own backward on a clone of
     # that view of the gradient: DTensor's clone reduces a Partial gradient (fuzz seeds 5340, 5433: the operand's
     # gradient Replicate, as eager's, not Partial)
     return (_dtensor_call(torch.clone, g),)
+
+
+dtensor_written_value_prim = define_marker_prim(
+    "written_value", _written_value_vjp, marks="the new value of a written view"
+)
 
 
 def _sum_written_view_cotangents(base: Any, view: Any) -> Any:

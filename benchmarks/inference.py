@@ -253,6 +253,12 @@ def main() -> None:
         },
         "per_token_x_limit": {n: median_token[n] / median_token["limit"] for n in names if "limit" in names},
         "first_token_x_eager": {n: median_first[n] / median_first["eager"] for n in names if "eager" in names},
+        # the noise: the lowest and highest per-token ratio to torch.compile over the interleaved rounds
+        "per_token_x_torch_compile_range": {
+            n: [f(a / b for a, b in zip(per_token[n], per_token["torch.compile"])) for f in (min, max)]
+            for n in names
+            if "torch.compile" in names
+        },
     }
     if dist.get_rank() == 0:
         out = Path(args.out)

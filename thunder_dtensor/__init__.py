@@ -7,6 +7,8 @@ dtensor prims on this package's executor, forward and backward.
 
 from __future__ import annotations
 
+import functools
+
 from thunder_dtensor import _integration
 from thunder_dtensor._integration import DISTRIBUTED_AVAILABLE, thunder
 
@@ -80,6 +82,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.call_proxy_conversions_whole(DTensorProxy)  # bool(x) of a DTensor raises naming its placements
     _integration.refuse_branches_on_run_time_numbers(ops.scalars.branch_refusal)  # if x.item() > 0: refused
     _integration.make_dtensor_choices_alike_on_every_rank()  # ranks choose strategies and plans alike
+    _integration.let_fake_masks_stand_in()  # a trace-time masked lookup's fake mask stands in (see _integration.masks)
     _integration.read_root_module_state_from_user_module()
     _integration.dispatch_module_calls_outside_the_interpreter()  # first-call time: hook loops run in Python
     _integration.call_partials_outside_the_interpreter()  # and the partials every TP hook calls
@@ -135,8 +138,12 @@ if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import lowering
 
     # DTensor programs become local ops plus explicit collectives (thunder.jit(fn, dtensor_lowering=False): not)
+    # and a DTensor program's prologue walks each module once and checks its constants in one comparison
     _integration.install_lowering(
-        lowering.lower_dtensor_program, lowering.lowering_enabled, lowering.annotate_not_lowered
+        lowering.lower_dtensor_program,
+        lowering.lowering_enabled,
+        lowering.annotate_not_lowered,
+        functools.partial(_integration.compact_prologue, ops=guards.PROLOGUE_OPS),
     )
     # every rank issues them in one order, also through thunderfx's dataflow fusion partition
     _integration.keep_collectives_in_order_through_dataflow_fusion(lowering.issues_a_collective)

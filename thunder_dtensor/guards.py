@@ -12,6 +12,8 @@ from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.spec import DTensorMeta
 
+import torch
+
 __all__ = [
     "CotangentPlacementWarning",
     "backward_for_cotangent_placements",
@@ -71,13 +73,16 @@ def _check_dtensor_spec_repr_impl(dtensor: Any, spec: Any, local: Any, expected:
         raise RuntimeError(f"DTensor input changed ({diff})")
 
 
-def define_prologue_check(name: str, meta: Callable, impl: Callable) -> tuple[ti.Symbol, ti.Symbol]:
-    """A check prim (never removed as dead code) and the executor operator that runs it.
+def define_prologue_check(
+    name: str, meta: Callable, impl: Callable, *, is_check: bool = True
+) -> tuple[ti.Symbol, ti.Symbol]:
+    """A prologue prim (a check is never removed as dead code) and the executor operator that runs it.
 
     The prologue runs only thunder's python executor plus "always" executors, and keeps a symbol that already
     names its executor: the prologue therefore records the executor operator directly.
     """
-    prim = ti.make_prim(f"thunder_dtensor.{name}", name, meta=meta, tags=(ti.OpTags.DONT_DCE,))
+    tags = (ti.OpTags.DONT_DCE,) if is_check else ()
+    prim = ti.make_prim(f"thunder_dtensor.{name}", name, meta=meta, tags=tags)
     operator = dtensor_ex.register_operator(name, like=prim, fn=impl)
     dtensor_ex.register_implementation(prim, operator, checker=_always)
     return prim, operator
@@ -141,6 +146,101 @@ def _check_concrete_shape_impl(t: Any, expected: tuple) -> None:
 #: under cache="symbolic values", a plain tensor input of a DTensor program keeps its traced shape
 check_concrete_shape, _run_check_concrete_shape = define_prologue_check(
     "check_concrete_shape", _check_concrete_shape_meta, _check_concrete_shape_impl
+)
+
+
+# --- the prologue's module lookups and constant checks, made cheap (``_integration.compact_prologue``) -------
+# thunder's prologue fetches each parameter, buffer and submodule a program reads by its full path from the
+# jitted module (``obj.get_parameter('model.layers.0.mlp.up_proj.weight')``: a walk from the root for every
+# one) and checks every number and string it read with a call of its own. A compacted prologue walks each
+# module of those paths once (the same ``getattr`` steps torch's lookups take, from a root whose lookups are
+# torch's own; any other root, a ThunderModule's cached lookups for one, is asked as before) and compares all
+# the numbers and strings in one tuple comparison at its end, falling back to thunder's per-value semantics
+# (types, NaN) only when the tuples differ.
+_TORCH_LOOKUPS = (torch.nn.Module.get_submodule, torch.nn.Module.get_parameter, torch.nn.Module.get_buffer)
+
+
+def _bound_directly(*args: Any) -> None:
+    raise NotImplementedError("bound directly into prologue traces")
+
+
+def _walkable_root_impl(root: Any) -> Any:
+    """``root`` when its lookups are torch's own, so a walk of its attributes finds what they find; else None."""
+    cls = type(root)
+    if isinstance(root, torch.nn.Module) and (cls.get_submodule, cls.get_parameter, cls.get_buffer) == _TORCH_LOOKUPS:
+        return root
+    return None
+
+
+def _submodule_step_impl(parent: Any, name: str) -> Any:
+    """One step of ``get_submodule``'s walk (None where the walk does not apply)."""
+    if parent is None:
+        return None
+    child = getattr(parent, name)  # AttributeError where torch's hasattr check raises it
+    if not isinstance(child, torch.nn.Module):
+        raise AttributeError(f"`{name}` is not an nn.Module")
+    return child
+
+
+def _fetch_submodule_impl(root: Any, path: str, walked: Any) -> Any:
+    return walked if walked is not None else root.get_submodule(path)
+
+
+def _fetch_parameter_impl(root: Any, path: str, owner: Any, name: str) -> Any:
+    if owner is None:
+        return root.get_parameter(path)
+    param = getattr(owner, name)
+    if not isinstance(param, torch.nn.Parameter):
+        raise AttributeError(f"`{name}` is not an nn.Parameter")
+    return param
+
+
+def _fetch_buffer_impl(root: Any, path: str, owner: Any, name: str) -> Any:
+    if owner is None:
+        return root.get_buffer(path)
+    if name not in owner._buffers:
+        raise AttributeError(f"`{name}` is not a buffer")
+    return getattr(owner, name)
+
+
+def _check_constants_meta(numbers: tuple, expected_numbers: tuple, strings: tuple, expected_strings: tuple) -> None:
+    ti.check(len(numbers) == len(expected_numbers) and len(strings) == len(expected_strings), lambda: "unpaired")
+
+
+def _check_constants_impl(numbers: tuple, expected_numbers: tuple, strings: tuple, expected_strings: tuple) -> None:
+    """thunder's ``check_number_type_and_value`` and ``check_string_value`` of many values, in one comparison.
+
+    Equal tuples of equal types pass (a tuple compares items by identity, then ``==``); otherwise each value is
+    checked as thunder checks it (a NaN equals a NaN of the same type)."""
+    if (
+        numbers == expected_numbers
+        and strings == expected_strings
+        and tuple(map(type, numbers)) == tuple(map(type, expected_numbers))
+    ):
+        return
+    for n, v in zip(numbers, expected_numbers):
+        if not (type(n) == type(v) and (n == v or (n != n and v != v))):  # noqa: E721  (thunder's own check)
+            raise RuntimeError(f"Expected {n} to be equal to and have the type of {v}")
+    for s, v in zip(strings, expected_strings):
+        if s != v:
+            raise RuntimeError(f"Expected '{s}' to be equal to '{v}'")
+
+
+_, walkable_root = define_prologue_check("walkable_root", _bound_directly, _walkable_root_impl, is_check=False)
+_, submodule_step = define_prologue_check("submodule_step", _bound_directly, _submodule_step_impl, is_check=False)
+_, fetch_submodule = define_prologue_check("fetch_submodule", _bound_directly, _fetch_submodule_impl, is_check=False)
+_, fetch_parameter = define_prologue_check("fetch_parameter", _bound_directly, _fetch_parameter_impl, is_check=False)
+_, fetch_buffer = define_prologue_check("fetch_buffer", _bound_directly, _fetch_buffer_impl, is_check=False)
+_, check_constants = define_prologue_check("check_constants", _check_constants_meta, _check_constants_impl)
+
+#: the operators a compacted prologue is written with
+PROLOGUE_OPS = ti.PrologueOps(
+    walkable_root=walkable_root,
+    submodule_step=submodule_step,
+    fetch_submodule=fetch_submodule,
+    fetch_parameter=fetch_parameter,
+    fetch_buffer=fetch_buffer,
+    check_constants=check_constants,
 )
 
 

@@ -481,6 +481,7 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
                 "thunder refuses it on plain tensors too",
                 hint=READ_AT_RUN_TIME_HINT,
             ) from e
+    ti.note_trace_time_masks(out)  # a masked lookup's mask, emptied when the compilation ends
     if type(out).__module__ == "torch.return_types":  # structseq outputs (torch.max(x, dim), ...) trace as tuples
         out = tuple(out)
     record = PRIMS.get(op_name)
@@ -593,10 +594,12 @@ def forward_and_gradients(
         outs = [o for o in ti.torch_tree_flatten(torch_fn(*fargs, **fkwargs))[0] if isinstance(o, torch.Tensor)]
     pairs = [(outs[i], c) for i, c in cotangents.items() if i < len(outs) and c is not None and outs[i].requires_grad]
     if not pairs or not leaves:
+        ti.release_recomputed_masks(outs)
         return outs, tuple(None for _ in diff_indices)
     grads = torch.autograd.grad(
         [o for o, _ in pairs], [leaves[i] for i in diff_indices], [c for _, c in pairs], allow_unused=True
     )
+    ti.release_recomputed_masks(outs)  # (a masked lookup's mask: no reduction of these outputs releases it)
     return outs, tuple(grads)
 
 

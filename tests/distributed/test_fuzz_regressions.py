@@ -396,6 +396,29 @@ def test_scalar_division_of_a_strided_shard_value(lowering):
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
 
 
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_masked_lookup_dtensor_chose_leaves_no_mask_behind(lowering):
+    """Fuzz seed 6121 (4 ranks): a table sharded on its embedding dim over the first mesh dim of a 2x2 mesh, ids
+    sharded over the batch: eager DTensor chooses its masked (vocab-parallel) lookup on the second mesh dim, whose
+    mask its sharding cache shares between every call of the lookup. Was: the trace's fake mask, left in it, met
+    the run-time call's real one (the first call failed), and the gradient rule's recomputed lookup left its real
+    mask behind for the next call with other ids (the second failed). Two calls, other data each."""
+
+    def fn(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(x + F.embedding(ids, table), -3)
+
+    placements = [[Shard(0), Shard(1)], [Shard(0), Replicate()], [Shard(1), Replicate()]]
+    for call in range(2):
+        inputs = [
+            make_full((8, 8, 8), seed=40 + call, dtype=torch.float64),
+            make_full((8, 8), seed=42 + call, dtype=torch.int64, int_high=4),
+            make_full((4, 8), seed=44 + call, dtype=torch.float64),
+        ]
+        case = DTensorCase(fn, inputs, placements, requires_grad=[True, False, True], mesh=mesh_2d(2))
+        run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
 @LOWERING
 def test_alias_updates_compile_to_the_same_program_on_every_rank(lowering, monkeypatch):
     """Seed 5: a write into a clone whose views are read afterwards. thunder ordered the alias update's operands

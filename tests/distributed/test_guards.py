@@ -247,3 +247,81 @@ def test_other_mesh_layout_retraces_forward_and_backward(pair):
 
         check_call(jfn, mul_sum, make, backward=True)
     assert thunder.cache_misses(jfn) == 2 and thunder.cache_hits(jfn) == 0
+
+
+# --- the compacted prologue: module lookups walked once, constants compared in one tuple -------------------
+class _ScaledProjection(torch.nn.Module):
+    """A module whose forward reads a parameter two modules down, a buffer, a number and a string."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inner = torch.nn.ModuleDict({"proj": torch.nn.Linear(8, 8, bias=False)})
+        self.register_buffer("offset", torch.linspace(-1, 1, 8))
+        self.scale: float = 2.0
+        self.mode = "mul"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner["proj"](x) + self.offset
+        return y * self.scale if self.mode == "mul" else y + self.scale
+
+
+def _sharded_projection(seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The module with its projection column-parallel (a DTensor weight), and an unsharded copy."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    plain = _ScaledProjection(seed)
+    sharded = _ScaledProjection(seed)
+    parallelize_module(sharded, mesh_1d(), {"inner.proj": ColwiseParallel(output_layouts=Replicate())})
+    return sharded, plain
+
+
+def test_compacted_prologue_reads_what_the_program_reads():
+    """A DTensor program's prologue fetches no module by its full path and checks its constants in one
+    comparison, and still takes every change: numbers (a type change and NaN by thunder's rules), strings,
+    replaced submodules and parameters; a ThunderModule's own lookups are kept."""
+    sharded, plain = _sharded_projection(seed=21)
+    x = make_full((4, 8), seed=22)
+    jitted = thunder.jit(sharded.forward)
+
+    def check(expected_misses: int, expected_hits: int) -> None:
+        torch.testing.assert_close(jitted(x), plain(x), equal_nan=True)
+        assert (thunder.cache_misses(jitted), thunder.cache_hits(jitted)) == (expected_misses, expected_hits)
+
+    check(1, 0)
+    prologue = str(thunder.last_prologue_traces(jitted)[-1])
+    assert "get_parameter(" not in prologue and "get_submodule(" not in prologue and "get_buffer(" not in prologue
+    assert "check_constants(" in prologue and "check_number_type_and_value(" not in prologue
+    check(1, 1)
+    for module in (sharded, plain):  # an int where a float was traced: thunder's type check retraces
+        module.scale = 2
+    check(2, 1)
+    for module in (sharded, plain):
+        module.mode = "add"
+    check(3, 1)
+    for module in (sharded, plain):
+        module.scale = float("nan")
+    check(4, 1)
+    for module in (sharded, plain):  # another NaN object: equal by thunder's rule, a hit
+        module.scale = float("nan")
+    check(4, 2)
+    for module in (sharded, plain):
+        module.scale, module.mode = 0.5, "mul"
+    check(5, 2)
+    # a replaced submodule (its tensor-parallel hooks are new functions: a retrace), then a replaced parameter
+    # and a buffer written in place: read anew, same specs (hits)
+    new_sharded, new_plain = _sharded_projection(seed=23)
+    sharded.inner["proj"], plain.inner["proj"] = new_sharded.inner["proj"], new_plain.inner["proj"]
+    check(6, 2)
+    weight = make_full((8, 8), seed=24)
+    sharded.inner["proj"].weight = torch.nn.Parameter(distribute_tensor(weight, mesh_1d(), [Shard(0)]))
+    plain.inner["proj"].weight = torch.nn.Parameter(weight.clone())
+    check(6, 3)
+    sharded.offset.add_(1)
+    plain.offset.add_(1)
+    check(6, 4)
+    # thunder.jit of the module: its ThunderModule's lookups (parameter overrides) answer, as before
+    tm = thunder.jit(sharded)
+    torch.testing.assert_close(tm(x), plain(x))
+    torch.testing.assert_close(tm(x), plain(x))
+    assert (thunder.cache_misses(tm), thunder.cache_hits(tm)) == (1, 1)

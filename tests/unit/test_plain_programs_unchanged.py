@@ -84,7 +84,8 @@ for name, fn in [("pointwise", pointwise), ("views_and_writes", views_and_writes
         params = [p.grad for p in mlp.parameters() if p.grad is not None]
         record = {"out": tensors(out), "grads": tensors([x.grad, w.grad, *params])}
         if frontend == "jit":
-            record["traces"] = [text(t) for t in thunder.last_traces(compiled) + thunder.last_backward_traces(compiled)]
+            traces = thunder.last_traces(compiled) + thunder.last_backward_traces(compiled)
+            record["traces"] = [text(t) for t in [thunder.last_prologue_traces(compiled)[-1], *traces]]
             record["executors"] = [re.sub(r"_\d+$", "", e.name) for e in thunder.compile_data(compiled).executors_list]
         else:
             infos = compiled._backend.subgraph_infos

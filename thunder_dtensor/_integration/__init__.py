@@ -242,11 +242,18 @@ from thunder_dtensor._integration.fsdp import (
     wrap_constant,
 )
 from thunder_dtensor._integration.functionalize import ViewWriteEmitter, normalized_view_name
+from thunder_dtensor._integration.masks import (
+    let_fake_masks_stand_in,
+    note_trace_time_masks,
+    release_recomputed_masks,
+    release_trace_time_masks,
+)
 from thunder_dtensor._integration.program_scope import (
     add_dtensor_executor,
     note_each_call,
     use_dtensor_executors,
 )
+from thunder_dtensor._integration.prologue import PrologueOps, compact_prologue, prologue_fetch_count
 from thunder_dtensor._integration.rank_agreement import make_dtensor_choices_alike_on_every_rank
 from thunder_dtensor._integration.registry import (
     installed,
@@ -300,6 +307,9 @@ from thunder_dtensor._integration.tp_lookasides import register_lookaside, tenso
 #: thunder's and torch's own names (classes, modules, tables, version facts) the package uses
 __all__ = [
     "AnyProxy",
+    "PrologueOps",
+    "compact_prologue",
+    "prologue_fetch_count",
     "BoundSymbol",
     "BoundSymbolTag",
     "check",
@@ -364,7 +374,11 @@ __all__ += [
     "canonical_spec_repr",
     "claiming_operator",
     "clear_sharding_propagation_cache",
+    "note_trace_time_masks",
     "release_fake_masks",
+    "release_trace_time_masks",
+    "release_recomputed_masks",
+    "let_fake_masks_stand_in",
     "sharded_unevenly",
     "compile_joint_trace",
     "context_parallel_dispatch_enabled",

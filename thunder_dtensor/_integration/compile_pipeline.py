@@ -247,27 +247,39 @@ def install_lowering(
     lower: Callable[[TraceCtx, Sequence[Any]], TraceCtx],
     enabled: Callable[[], bool],
     annotate: Callable[[TraceCtx, TraceCtx], None],
+    compact_prologue: Callable[[TraceCtx], TraceCtx],
 ) -> None:
     """Run ``lower`` on the computation trace (the joint forward + backward one under autograd) just before
-    thunder assigns executors to it.
+    thunder assigns executors to it, and ``compact_prologue`` on a DTensor program's prologue.
 
     thunder 0.2.6's ``thunder.jit`` calls ``transform_for_execution`` (imported into ``thunder``'s namespace) on
     the prologue, then once on the computation trace, which autodiff has already made the joint trace; the
     forward / backward split comes after, so a transform here sees both halves and the split saves whatever
-    the lowered forward computes for the backward. The prologue (run by the Python executor only) is skipped.
+    the lowered forward computes for the backward. The prologue is the call whose executors are the Python
+    executor alone.
     """
+    from thunder_dtensor._integration.masks import release_trace_time_masks
+    from thunder_dtensor._integration.program_scope import traced_a_dtensor
+
     original = thunder.transform_for_execution
 
     @functools.wraps(original)
     def transform_for_execution(trace: TraceCtx, executors_list: Any, *args: Any, **kwargs: Any) -> Any:
         is_prologue = tuple(executors_list) == (thunder.pythonex,)
-        if not is_prologue and enabled():
-            lowered = lower(trace, tuple(executors_list))
-            if lowered is not trace:
-                traces = original(lowered, executors_list, *args, **kwargs)
-                annotate(lowered, traces[-1])
-                return [lowered, *traces]
-        return original(trace, executors_list, *args, **kwargs)
+        if is_prologue and traced_a_dtensor():
+            return original(compact_prologue(trace), executors_list, *args, **kwargs)
+        if is_prologue:
+            return original(trace, executors_list, *args, **kwargs)
+        try:
+            if enabled():
+                lowered = lower(trace, tuple(executors_list))
+                if lowered is not trace:
+                    traces = original(lowered, executors_list, *args, **kwargs)
+                    annotate(lowered, traces[-1])
+                    return [lowered, *traces]
+            return original(trace, executors_list, *args, **kwargs)
+        finally:
+            release_trace_time_masks()  # the compilation's trace-time runs are over
 
     patch(
         thunder,

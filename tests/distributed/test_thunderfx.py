@@ -52,6 +52,34 @@ def test_placements_built_inside_compiled_code(compile_fn):
     torch.testing.assert_close(out.full_tensor(), full * 2)
 
 
+def test_an_input_returned_as_it_is_before_a_graph_break_keeps_its_gradient():
+    """``x.contiguous()`` of a contiguous leaf is ``x`` itself: dynamo's graph before the break at the ``if``
+    returns it, and thunder's splitter called it non-differentiable (its example value has no ``grad_fn``),
+    so the program's output did not require grad (fuzz seed 6125, silently: no gradient at all)."""
+
+    def fn(x):
+        y = x.contiguous()
+        if y.mean() > 0.1:
+            y = y * 2.0
+        else:
+            y = torch.relu(y)
+        return y.clone()
+
+    full = make_full((4, 6), seed=5)
+    x = _dt(full, [Shard(1)]).requires_grad_()
+    out = thunderfx(fn)(x)
+    assert out.requires_grad
+    expected_x = full.clone().requires_grad_()
+    expected = fn(expected_x)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    out.sum().backward()
+    expected.sum().backward()
+    eager_x = _dt(full, [Shard(1)]).requires_grad_()
+    fn(eager_x).sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), expected_x.grad)
+    assert x.grad.placements == eager_x.grad.placements
+
+
 def test_equal_specs_hit_the_cache_whether_shape_is_a_size_or_a_tuple():
     """Inductor builds DTensor specs with tuple shapes, eager with torch.Size: the prologue sees one spec."""
     full = make_full((4, 6), seed=3)

@@ -41,7 +41,8 @@ def _compile_data() -> Any:
 
 
 def _has_dtensor_executors(cd: Any) -> bool:
-    return bool(_DTENSOR_EXECUTORS) and _DTENSOR_EXECUTORS[0] in cd.executors_list
+    # by identity: ``in`` would call each executor's ``__eq__`` (Python), on every call of a jitted function
+    return bool(_DTENSOR_EXECUTORS) and any(ex is _DTENSOR_EXECUTORS[0] for ex in cd.executors_list)
 
 
 def traced_a_dtensor(cd: Any = None) -> bool:

@@ -12,7 +12,7 @@ THUNDER_SPEC ?= lightning-thunder==0.2.6
 RUN2 := $(TORCHRUN) --nproc-per-node 2 --local-ranks-filter 0
 RUN4 := $(TORCHRUN) --nproc-per-node 4 --local-ranks-filter 0
 
-.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz zoo generate-check compat thunder-suite clean
+.PHONY: setup demo test test-unit test-dist2 test-dist4 lint op-coverage tp-demo bench fuzz zoo generate-check fusion-check compat thunder-suite clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ zoo: setup
 # thunderfx, greedy and sampling, against the one-process model's tokens, at 2 and 4 ranks (about an hour on 2 cores)
 generate-check: setup
 	$(RUN2) scripts/generate_check.py --unsharded && $(RUN4) scripts/generate_check.py
+
+# every bench workload under thunder's torch.compile executor against the default thunder.jit, 2 and 4 ranks,
+# both front ends: losses, gradients, collectives a step, inductor graphs (about 8 minutes on 2 cores)
+fusion-check: setup
+	$(RUN2) scripts/fusion_check.py && $(RUN4) scripts/fusion_check.py
 
 # another torch (docs/architecture.md, "Versions"): a venv with it (CUDA wheels of 5-7 GB, deleted afterwards unless
 # KEEP=1), the unit tests, the seed and TP examples under thunder.jit and thunderfx, a distributed subset at 2 ranks.

@@ -104,9 +104,15 @@ COLLECTIVE_SYMBOLS: dict[str, ti.Symbol] = {}
 def collective_symbol(overload: Any) -> ti.Symbol:
     """The trace symbol of one ``_c10d_functional`` op; ``mesh_dim`` is printed, not passed on."""
     name = symbol_name(overload).removeprefix("_c10d_functional_")
-    # never dead code: another rank may be receiving what this one sends, even where no result here is read
+    # never dead code: another rank may be receiving what this one sends, even where no result here is read; and
+    # never recomputed in the backward: thunder's rematerialization (with a fusion executor listed, the torch.compile
+    # one) moves ops it deems cheap from the forward to the backward, and took all-gathers for such (a third more
+    # all-gathers a step in the test GPT); its one tag for "do not recompute" is REDUCTION_OP, which it alone reads
     sym = ti.make_prim(
-        f"thunder_dtensor.comm.{name}", name, meta=_meta_by_fake_run(overload), tags=(ti.OpTags.DONT_DCE,)
+        f"thunder_dtensor.comm.{name}",
+        name,
+        meta=_meta_by_fake_run(overload),
+        tags=(ti.OpTags.DONT_DCE, ti.OpTags.REDUCTION_OP),
     )
     collective = ti.below_autograd(overload)
 

@@ -253,7 +253,7 @@ from thunder_dtensor._integration.program_scope import (
     note_each_call,
     use_dtensor_executors,
 )
-from thunder_dtensor._integration.prologue import PrologueOps, compact_prologue, prologue_fetch_count
+from thunder_dtensor._integration.prologue import PrologueOps, compact_prologue
 from thunder_dtensor._integration.rank_agreement import make_dtensor_choices_alike_on_every_rank
 from thunder_dtensor._integration.registry import (
     installed,
@@ -309,7 +309,6 @@ __all__ = [
     "AnyProxy",
     "PrologueOps",
     "compact_prologue",
-    "prologue_fetch_count",
     "BoundSymbol",
     "BoundSymbolTag",
     "check",

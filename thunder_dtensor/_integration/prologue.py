@@ -143,9 +143,4 @@ def _batched_check(ops: PrologueOps, checked: dict[str, tuple[list, list]]) -> l
     return [ops.check_constants.bind(*args, output=None)]
 
 
-def prologue_fetch_count(trace: TraceCtx) -> int:
-    """How many module lookups by full path ``trace`` (a prologue) still makes (for tests)."""
-    return sum(1 for b in trace.bound_symbols if b.sym.id in _FETCHES)
-
-
-__all__ = ["PrologueOps", "compact_prologue", "prologue_fetch_count"]
+__all__ = ["PrologueOps", "compact_prologue"]

@@ -73,19 +73,21 @@ def _check_dtensor_spec_repr_impl(dtensor: Any, spec: Any, local: Any, expected:
         raise RuntimeError(f"DTensor input changed ({diff})")
 
 
-def define_prologue_check(
-    name: str, meta: Callable, impl: Callable, *, is_check: bool = True
-) -> tuple[ti.Symbol, ti.Symbol]:
-    """A prologue prim (a check is never removed as dead code) and the executor operator that runs it.
+def _prologue_prim(name: str, meta: Callable, impl: Callable, tags: tuple) -> tuple[ti.Symbol, ti.Symbol]:
+    """A prologue prim and the executor operator that runs it.
 
     The prologue runs only thunder's python executor plus "always" executors, and keeps a symbol that already
     names its executor: the prologue therefore records the executor operator directly.
     """
-    tags = (ti.OpTags.DONT_DCE,) if is_check else ()
     prim = ti.make_prim(f"thunder_dtensor.{name}", name, meta=meta, tags=tags)
     operator = dtensor_ex.register_operator(name, like=prim, fn=impl)
     dtensor_ex.register_implementation(prim, operator, checker=_always)
     return prim, operator
+
+
+def define_prologue_check(name: str, meta: Callable, impl: Callable) -> tuple[ti.Symbol, ti.Symbol]:
+    """A check prim (never removed as dead code) and the executor operator that runs it (see ``_prologue_prim``)."""
+    return _prologue_prim(name, meta, impl, (ti.OpTags.DONT_DCE,))
 
 
 check_dtensor_spec_repr, _run_check_dtensor_spec_repr = define_prologue_check(
@@ -164,6 +166,11 @@ def _bound_directly(*args: Any) -> None:
     raise NotImplementedError("bound directly into prologue traces")
 
 
+def _prologue_lookup(name: str, impl: Callable) -> ti.Symbol:
+    """The operator of a prologue lookup, bound directly into prologue traces (dead code where unused)."""
+    return _prologue_prim(name, _bound_directly, impl, ())[1]
+
+
 def _walkable_root_impl(root: Any) -> Any:
     """``root`` when its lookups are torch's own, so a walk of its attributes finds what they find; else None."""
     cls = type(root)
@@ -226,11 +233,11 @@ def _check_constants_impl(numbers: tuple, expected_numbers: tuple, strings: tupl
             raise RuntimeError(f"Expected '{s}' to be equal to '{v}'")
 
 
-_, walkable_root = define_prologue_check("walkable_root", _bound_directly, _walkable_root_impl, is_check=False)
-_, submodule_step = define_prologue_check("submodule_step", _bound_directly, _submodule_step_impl, is_check=False)
-_, fetch_submodule = define_prologue_check("fetch_submodule", _bound_directly, _fetch_submodule_impl, is_check=False)
-_, fetch_parameter = define_prologue_check("fetch_parameter", _bound_directly, _fetch_parameter_impl, is_check=False)
-_, fetch_buffer = define_prologue_check("fetch_buffer", _bound_directly, _fetch_buffer_impl, is_check=False)
+walkable_root = _prologue_lookup("walkable_root", _walkable_root_impl)
+submodule_step = _prologue_lookup("submodule_step", _submodule_step_impl)
+fetch_submodule = _prologue_lookup("fetch_submodule", _fetch_submodule_impl)
+fetch_parameter = _prologue_lookup("fetch_parameter", _fetch_parameter_impl)
+fetch_buffer = _prologue_lookup("fetch_buffer", _fetch_buffer_impl)
 _, check_constants = define_prologue_check("check_constants", _check_constants_meta, _check_constants_impl)
 
 #: the operators a compacted prologue is written with

@@ -523,17 +523,6 @@ def clear_sharding_propagation_cache() -> None:
         clear_native_cache()
 
 
-def release_fake_masks(out: Any) -> None:
-    """Empty the mask buffers a trace-time run left filled in its outputs' placements (eager's masked lookup,
-    ``_MaskPartial``), where nothing downstream reads them: DTensor's sharding cache hands the same placement object
-    to the run-time call of the op, which would compare the real mask with the one left there and fail."""
-    for x in torch.utils._pytree.tree_leaves(out):
-        for placement in x.placements if isinstance(x, DTensor) else ():
-            buffer = getattr(placement, "mask_buffer", None)
-            if buffer is not None and buffer.data is not None:
-                buffer.data, buffer.refcount = None, 0
-
-
 def is_fake(x: Any) -> bool:
     """Whether ``x`` is a fake tensor (a trace-time stand-in), or a DTensor around one."""
     from torch._subclasses.fake_tensor import FakeTensor

@@ -266,10 +266,9 @@ def install_lowering(
     @functools.wraps(original)
     def transform_for_execution(trace: TraceCtx, executors_list: Any, *args: Any, **kwargs: Any) -> Any:
         is_prologue = tuple(executors_list) == (thunder.pythonex,)
-        if is_prologue and traced_a_dtensor():
-            return original(compact_prologue(trace), executors_list, *args, **kwargs)
         if is_prologue:
-            return original(trace, executors_list, *args, **kwargs)
+            prologue = compact_prologue(trace) if traced_a_dtensor() else trace
+            return original(prologue, executors_list, *args, **kwargs)
         try:
             if enabled():
                 lowered = lower(trace, tuple(executors_list))

@@ -97,7 +97,6 @@ def _trace_uncached(fn: Callable, inputs: list[LocalInput]) -> Traced:
         raise
     except Exception as e:
         raise NotLowerable(f"DTensor's dispatch could not be traced ({type(e).__name__}: {str(e)[:120]})") from e
-    ti.note_trace_time_masks(specs)  # a masked lookup's mask, emptied when the compilation ends
     result = Traced(graph, n_forward[0], specs, forward[0])
     check_graph(result.graph)
     return result

@@ -97,7 +97,6 @@ def _lookup(ids: Any, weight: Any, padding_idx: Any, max_norm: Any, norm_type: A
 def _eager_lookup_placements(ids: Any, weight: Any) -> tuple:
     """The placements eager DTensor gives a lookup of ``ids`` in ``weight`` (its own rules, run on fakes)."""
     out = propagated_fakes("embedding_eager_placements", F.embedding, (ids, weight), {})
-    ti.release_fake_masks(out)  # (only its placements are read: a masked lookup's mask is left filled otherwise)
     return tuple(as_traced_placement(p) for p in out.placements)
 
 

@@ -167,7 +167,7 @@ def test_torch_compile_executor_does_not_recompute_collectives_in_the_backward()
     """thunder's rematerialization (run where a fusion executor is listed) moved the sequence all-gather, whose
     result the backward needs, into the backward as a second all-gather (issue 44: 3 all-gathers a step where the
     default issues 2; the test GPT 17 for 12). Collectives are never recomputed: the same collectives as the
-    default executors, and the same values and gradients."""
+    default executors, and the values and gradients of the default executors and of eager DTensor."""
     from thunder.executors.torch_compile import torch_compile_ex
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import SequenceParallel
@@ -181,16 +181,24 @@ def test_torch_compile_executor_does_not_recompute_collectives_in_the_backward()
     }
     x = distribute_tensor(torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1)), mesh_1d(), [Shard(1)])
     results = []
-    for executors in (None, [torch_compile_ex, *thunder.get_default_executors()]):
+    for executors in ("eager", None, [torch_compile_ex, *thunder.get_default_executors()]):
         model = parallelize_module(copy.deepcopy(block), mesh_1d(), plan)
-        jitted = thunder.jit(model, **({} if executors is None else {"executors": executors}))
+        if executors == "eager":
+            jitted = model
+        else:
+            jitted = thunder.jit(model, **({} if executors is None else {"executors": executors}))
         loss = jitted(x).pow(2).mean()
         loss.backward()
         grads = {n: (full_value(p.grad), p.grad.placements) for n, p in model.named_parameters()}
-        results.append((_collectives_issued(jitted), full_value(loss), grads))
-    (default_comms, default_loss, default_grads), (fused_comms, fused_loss, fused_grads) = results
+        results.append((None if executors == "eager" else _collectives_issued(jitted), full_value(loss), grads))
+    (
+        (_, eager_loss, eager_grads),
+        (default_comms, default_loss, default_grads),
+        (fused_comms, fused_loss, fused_grads),
+    ) = results
     assert "all_gather_into_tensor" in default_comms and fused_comms == default_comms, (default_comms, fused_comms)
-    torch.testing.assert_close(fused_loss, default_loss)
-    for name, (grad, placements) in default_grads.items():
-        assert fused_grads[name][1] == placements, name
-        torch.testing.assert_close(fused_grads[name][0], grad, msg=lambda m, n=name: f"{n}: {m}")
+    for loss, grads in ((default_loss, default_grads), (fused_loss, fused_grads)):
+        torch.testing.assert_close(loss, eager_loss)
+        for name, (grad, placements) in eager_grads.items():
+            assert grads[name][1] == placements, name
+            torch.testing.assert_close(grads[name][0], grad, msg=lambda m, n=name: f"{n}: {m}")

@@ -116,3 +116,37 @@ def test_dynamic_batch_size_under_tensor_parallel():
     for info in infos:
         assert info.split_reasons == [], [r.info for r in info.split_reasons]
         assert [name for name, _ in info.split_graph_module.named_children()] == ["thunder_0"]
+
+
+def test_an_inductor_region_compiled_on_one_rank_is_never_run_on_another():
+    """A node thunderfx hands to inductor runs DTensor's rule inside torch's AOTAutograd, whose graph slices the
+    replicated operand at this rank's offset. torch's AOTAutograd cache keys a DTensor by its spec alone (torch
+    2.13: pytorch#188390; the fix there adds the device, the same "cpu" on every rank of a CPU mesh), so with
+    caches on disk a rank loaded the graph another rank compiled: that rank's shard, silently (fuzz seed 7038,
+    ``flatten > linear`` of a 1-D input). The ranks compile here one after another into one fresh cache."""
+    import os
+    import shutil
+    import tempfile
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    def fn(x, y):
+        return torch.ops.aten.mul.Tensor(x, y) * 2  # an aten op called directly: split off to inductor
+
+    full_x, full_y = make_full((4, 6), seed=6), make_full((4, 6), seed=7)
+    # made by all ranks (distribute_tensor communicates); no grad: the cache keeps an inference graph at once
+    x, y = (distribute_tensor(full, mesh_1d(), [p]) for full, p in ((full_x, Shard(0)), (full_y, Replicate())))
+    cache_dir = [tempfile.mkdtemp(prefix="thunder_dtensor_inductor_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(cache_dir)
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir[0]}):
+        for turn in range(dist.get_world_size()):
+            if dist.get_rank() == turn:
+                compiled = thunderfx(fn)
+                out = compiled(x, y)  # no collective: y's shard is a local slice
+                (info,) = compiled._backend.subgraph_infos
+                assert any(name.startswith("inductor") for name, _ in info.split_graph_module.named_children())
+            dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(cache_dir[0], ignore_errors=True)
+    torch.testing.assert_close(out.full_tensor(), fn(full_x, full_y))

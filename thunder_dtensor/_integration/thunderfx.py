@@ -102,6 +102,26 @@ def _differentiable_outputs(graph_module: torch.fx.GraphModule, given: list[bool
     ]
 
 
+def _compiled_for_this_rank(torch_inductor: Callable) -> Callable:
+    """``torch_inductor`` (``torch._inductor.compile``) with torch's AOTAutograd cache off while it compiles.
+
+    A region of a DTensor graph is desugared by AOTAutograd into local ops that bake in this rank's place on the
+    mesh (the offset of a replicated operand's slice), but that cache keys a DTensor input by its spec alone, the
+    same on every rank (torch 2.13, pytorch#188390; its fix adds the device, which is ``cpu`` on every rank of a
+    CPU mesh). With caches on disk, a rank loaded the graph another rank had compiled and computed that rank's
+    shard, silently (fuzz seed 7038). Inductor's own graph cache still serves: its key is the desugared graph,
+    offsets included.
+    """
+    from torch._functorch import config as functorch_config
+
+    def compile_region(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        # an unknown name raises here: a torch that renamed these options fails loudly, not silently
+        with functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
+            return torch_inductor(graph_module, example_inputs)
+
+    return compile_region
+
+
 @installer("dtensor", "thunderfx's splitter hands graphs with DTensors to thunder.jit whole")
 def install_thunderfx_support(
     dtensor_node_support: Callable,
@@ -128,6 +148,8 @@ def install_thunderfx_support(
     * Each graph module is compiled to Python before ``thunder.jit`` sees it: fx's lazy code generation,
       run inside thunder's interpreter, fails on a mesh argument.
     * DTensor's sharding-propagation cache is cleared once a graph is split: see ``splitter``.
+    * The regions it hands to inductor are compiled without torch's AOTAutograd cache: see
+      ``_compiled_for_this_rank``.
     """
     import thunder.dynamo.compiler as fx_compiler
     import thunder.dynamo.splitter as fx_splitter
@@ -175,8 +197,9 @@ def install_thunderfx_support(
 
         if not of_dtensor_program(gm.graph):
             return thunder_splitter(gm, thunder_jit, *args, **kwargs)
+        torch_inductor, *rest = args
         try:
-            return thunder_splitter(gm, jit_compiled_graph, *args, **kwargs)
+            return thunder_splitter(gm, jit_compiled_graph, _compiled_for_this_rank(torch_inductor), *rest, **kwargs)
         finally:
             # dynamo's fake run of the graph cached sharding decisions whose placements hold fake tensors of its
             # fake mode (the vocab-parallel embedding's mask): a later compile or eager call would reuse them

@@ -8,9 +8,12 @@ backward; gradients set to None between steps) of a tensor-parallel model, run b
 - ``torch.compile``: ``torch.compile(model)`` (inductor, compiled from a fresh, empty cache);
 - ``thunder_off`` / ``thunder_on``: ``thunder.jit(model, dtensor_lowering=False / True)`` (per-prim eager
   DTensor ops vs the lowering to local ops and explicit collectives);
+- ``thunder_on_early``: ``thunder_on`` with ``dtensor_issue_early=True`` (each collective issued as early as its
+  inputs allow);
 - ``thunder_on_tcex``: ``thunder_on`` with thunder's torch.compile executor listed first
-  (``executors=[torch_compile_ex, *thunder.get_default_executors()]``): inductor fuses the lowered local math
-  between collectives;
+  (``executors=[torch_compile_ex, *thunder.get_default_executors()]``): inductor compiles the lowered program,
+  collectives included; ``thunder_on_tcex_loss``: the same with the loss inside the jitted function (the DTensor
+  boundary: no eager DTensor op after the program);
 - ``limit`` / ``limit_compiled``: the same math written by hand on local shards with explicit functional
   collectives (the block with a hand-written backward, the models in ``model_limits.py``), run eagerly and
   ``torch.compile``d; the faster of the two is the limit.
@@ -78,7 +81,17 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
-VARIANTS = ("eager", "torch.compile", "thunder_off", "thunder_on", "thunder_on_tcex", "limit", "limit_compiled")
+VARIANTS = (
+    "eager",
+    "torch.compile",
+    "thunder_off",
+    "thunder_on",
+    "thunder_on_early",
+    "thunder_on_tcex",
+    "thunder_on_tcex_loss",
+    "limit",
+    "limit_compiled",
+)
 #: the hand-written local program, run op by op and compiled: the limit is the faster of the two
 LIMITS = ("limit", "limit_compiled")
 BLOCK_TOKENS = 256
@@ -672,11 +685,23 @@ def build_runner(name: str, w: Workload) -> Runner:
         fn = thunder.jit(model, dtensor_lowering=False)
     elif name == "thunder_on":
         fn = thunder.jit(model, dtensor_lowering=True)
-    elif name == "thunder_on_tcex":
+    elif name == "thunder_on_early":  # each collective issued as early as its inputs allow
+        fn = thunder.jit(model, dtensor_lowering=True, dtensor_issue_early=True)
+    elif name in ("thunder_on_tcex", "thunder_on_tcex_loss"):
         from thunder.executors.torch_compile import torch_compile_ex
 
         _fresh_inductor()
-        fn = thunder.jit(model, dtensor_lowering=True, executors=[torch_compile_ex, *thunder.get_default_executors()])
+        executors = [torch_compile_ex, *thunder.get_default_executors()]
+        if name == "thunder_on_tcex_loss":  # the loss inside the program: no eager DTensor op after it
+
+            def forward_and_loss(*inputs: Any) -> torch.Tensor:
+                return w.loss(model(*inputs), w.target)
+
+            step_fn = thunder.jit(forward_and_loss, dtensor_lowering=True, executors=executors)
+            r.model, r.compiled, r.params = model, step_fn, [p for p in model.parameters() if p.requires_grad]
+            r.step = lambda: _backward(step_fn(*w.inputs))
+            return r
+        fn = thunder.jit(model, dtensor_lowering=True, executors=executors)
     elif name == "thunderfx_off":
         from thunder.dynamo import thunderfx
 

@@ -1,9 +1,10 @@
-"""Whole-program inductor (issue 44, point 1): every bench workload under thunder's torch.compile executor listed
-first, against the default ``thunder.jit``, both front ends: the loss, every parameter's gradient (full values
-and placements) and the collectives of a training step (the collective symbols of the executed forward and
-backward programs, inside inductor's regions too: torch's ``CommDebugMode`` is a dispatch mode, which
-torch.compile refuses) must be the default's; it prints how many inductor graphs each program became and its
-collectives (FSDP2's run in its hooks, outside the programs: none are listed there).
+"""Whole-program inductor and early collectives (issue 44, points 1 and 4): every bench workload under thunder's
+torch.compile executor listed first (``fused``) and with ``dtensor_issue_early=True`` (``early``), against the
+default ``thunder.jit``, both front ends: the loss, every parameter's gradient (full values and placements) and
+the collectives of a training step (the collective symbols of the executed forward and backward programs, inside
+inductor's regions too: torch's ``CommDebugMode`` is a dispatch mode, which torch.compile refuses) must be the
+default's; it prints how many inductor graphs each program became and its collectives (FSDP2's run in its hooks,
+outside the programs: none are listed there).
 
     torchrun --nproc-per-node 2 scripts/fusion_check.py     # --workloads block:64,gpt:test,llama:test,fsdp:256
 """
@@ -36,11 +37,18 @@ BUILDERS = {
 }
 
 
-def _compile(model: torch.nn.Module, frontend: str, fused: bool) -> Any:
-    executors = [torch_compile_ex, *thunder.get_default_executors()] if fused else None
-    options: dict[str, Any] = {"dtensor_lowering": True}
-    if executors is not None:
-        options["executors"] = executors
+#: the options of each variant (``default``: the default thunder.jit, the reference)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "fused": {"executors": None},  # (filled in: thunder's torch.compile executor first)
+    "early": {"dtensor_issue_early": True},
+}
+
+
+def _compile(model: torch.nn.Module, frontend: str, variant: str) -> Any:
+    options: dict[str, Any] = {"dtensor_lowering": True, **VARIANTS[variant]}
+    if "executors" in options:
+        options["executors"] = [torch_compile_ex, *thunder.get_default_executors()]
     if frontend == "jit":
         return thunder.jit(model, **options)
     from thunder.dynamo import thunderfx
@@ -81,10 +89,10 @@ def _graphs(traces: list) -> str:
     return f"{sum(map(regions, traces[0::2]))} forward, {sum(map(regions, traces[1::2]))} backward"
 
 
-def _step(workload: Any, frontend: str, fused: bool) -> dict:
+def _step(workload: Any, frontend: str, variant: str) -> dict:
     """Two training steps (the second counted): loss, gradients (full values, placements), collectives."""
     model = workload.make_model()
-    compiled = _compile(model, frontend, fused)
+    compiled = _compile(model, frontend, variant)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
@@ -109,10 +117,27 @@ def _step(workload: Any, frontend: str, fused: bool) -> dict:
     }
 
 
+def _differences(default: dict, other: dict) -> list[str]:
+    problems = []
+    if not torch.allclose(default["loss"], other["loss"], rtol=1e-5, atol=1e-6):
+        problems.append(f"loss {default['loss'].item()} vs {other['loss'].item()}")
+    for i, ((gd, pd), (go, po)) in enumerate(zip(default["grads"], other["grads"])):
+        if (gd is None) != (go is None) or pd != po:
+            problems.append(f"gradient {i}: placements {pd} vs {po}")
+        elif gd is not None and not torch.allclose(gd, go, rtol=1e-4, atol=1e-5):
+            problems.append(f"gradient {i}: max difference {(gd - go).abs().max().item():.3g}")
+    if default["comms"] != other["comms"]:
+        problems.append(f"collectives {default['comms']} vs {other['comms']}")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default="block:64,gpt:test,llama:test,fsdp:256")
     parser.add_argument("--frontends", default="jit,thunderfx")
+    parser.add_argument(
+        "--variants", default="fused,early", help="of: " + ", ".join(v for v in VARIANTS if v != "default")
+    )
     args = parser.parse_args()
     init_distributed()
     failures = 0
@@ -120,26 +145,18 @@ def main() -> int:
         name, size = item.split(":")
         workload = BUILDERS[name](size)
         for frontend in args.frontends.split(","):
-            default = _step(workload, frontend, fused=False)
-            fused = _step(workload, frontend, fused=True)
-            problems = []
-            if not torch.allclose(default["loss"], fused["loss"], rtol=1e-5, atol=1e-6):
-                problems.append(f"loss {default['loss'].item()} vs {fused['loss'].item()}")
-            for i, ((gd, pd), (gf, pf)) in enumerate(zip(default["grads"], fused["grads"])):
-                if (gd is None) != (gf is None) or pd != pf:
-                    problems.append(f"gradient {i}: placements {pd} vs {pf}")
-                elif gd is not None and not torch.allclose(gd, gf, rtol=1e-4, atol=1e-5):
-                    problems.append(f"gradient {i}: max difference {(gd - gf).abs().max().item():.3g}")
-            if default["comms"] != fused["comms"]:
-                problems.append(f"collectives {default['comms']} vs {fused['comms']}")
-            failures += bool(problems)
-            if dist.get_rank() == 0:
-                verdict = "ok" if not problems else "DIFFERS: " + "; ".join(problems)
-                print(
-                    f"{name}:{size} {frontend} ws={dist.get_world_size()}: {verdict} | collectives a step "
-                    f"{fused['comms']} | inductor graphs {fused['graphs']}",
-                    flush=True,
-                )
+            default = _step(workload, frontend, "default")
+            for variant in args.variants.split(","):
+                other = _step(workload, frontend, variant)
+                problems = _differences(default, other)
+                failures += bool(problems)
+                if dist.get_rank() == 0:
+                    verdict = "ok" if not problems else "DIFFERS: " + "; ".join(problems)
+                    print(
+                        f"{name}:{size} {frontend} {variant} ws={dist.get_world_size()}: {verdict} | collectives a "
+                        f"step {other['comms']} | inductor graphs {other['graphs']}",
+                        flush=True,
+                    )
     shutdown_distributed()
     return 1 if failures else 0
 

@@ -184,3 +184,47 @@ def test_gpt_steady_state_runs_no_dtensor_op(sequence_parallel):
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
     assert_grads_match(model, ref, "gpt")
+
+
+def _read_by(trace, index: int) -> set[int]:
+    """The indices of the symbols of ``trace`` that the symbol at ``index`` transitively reads."""
+    producer = {p.name: i for i, b in enumerate(trace.bound_symbols) for p in b.flat_proxy_outs}
+    seen, todo = set(), [index]
+    while todo:
+        i = todo.pop()
+        for p in trace.bound_symbols[i].flat_proxy_args:
+            j = producer.get(p.name)
+            if j is not None and j not in seen:
+                seen.add(j)
+                todo.append(j)
+    return seen
+
+
+def test_issue_early_option_issues_each_collective_before_the_work_it_does_not_read():
+    """``dtensor_issue_early=True``: in the backward of a TP MLP the input gradient's all-reduce is issued before
+    the matmuls it does not read (the weight gradients), so on NCCL they overlap it; values, gradients and
+    collectives are the default's."""
+    ref = _mlp()
+    x = torch.randn(4, 16, requires_grad=True)
+    models, outs, matmuls_before = [], [], []
+    for early in (False, True):
+        model = _tp_mlp(ref)
+        jitted = thunder.jit(model, dtensor_issue_early=early)
+        out = jitted(x)
+        out.sum().backward()
+        models.append(model)
+        outs.append(out)
+        forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+        assert _collectives(forward) == ["all_reduce@0"] and _collectives(backward) == ["all_reduce@0"]
+        (at,) = [i for i, b in enumerate(backward.bound_symbols) if b.sym.name == "all_reduce"]
+        read = _read_by(backward, at)
+        before = [i for i, b in enumerate(backward.bound_symbols[:at]) if b.sym.name == "matmul"]
+        matmuls_before.append([i for i in before if i not in read])
+    assert matmuls_before[1] == [], str(backward)
+    assert len(matmuls_before[0]) > 0  # the default order computes a weight gradient before it
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    for (name, p_early), (_, p_default) in zip(models[1].named_parameters(), models[0].named_parameters()):
+        assert p_early.grad.placements == p_default.grad.placements, name
+        torch.testing.assert_close(p_early.grad.full_tensor(), p_default.grad.full_tensor(), rtol=0, atol=0)
+    expected = ref(x.detach())
+    torch.testing.assert_close(outs[1], expected, **TOL)

@@ -162,3 +162,50 @@ def test_pair_vjps_pairs_each_generic_vjp_with_the_latest_earlier_forward_of_the
     assert program.pair_vjps(bsyms) == {2: 3, 0: 4}
     # a vjp before any forward of its call pairs with nothing
     assert program.pair_vjps([vjp_ab, fwd_ab]) == {}
+
+
+def _all_reduce_name():
+    from thunder_dtensor.lowering.symbols import collective_symbol
+
+    import torch
+
+    return collective_symbol(torch.ops._c10d_functional.all_reduce.default).name  # registered as a collective
+
+
+def test_issue_collectives_early_moves_each_collective_and_what_it_reads_ahead_of_unrelated_work():
+    x, y, a, b, c, d, e, w1, w2, z = _proxies("x", "y", "a", "b", "c", "d", "e", "w1", "w2", "z")
+    all_reduce = _all_reduce_name()
+    unrelated = _bsym("sin", [y], [a])  # needed by no collective
+    feeds_first = _bsym("mul", [x], [b])
+    first = _bsym(all_reduce, [b], [c])
+    wait_first = _bsym("wait_tensor", [c], [w1])
+    feeds_second = _bsym("add", [w1, x], [d])  # reads the first collective's result
+    second = _bsym(all_reduce, [d], [e])
+    wait_second = _bsym("wait_tensor", [e], [w2])
+    reader = _bsym("add", [w2, a], [z])
+    ret = _bsym("return", [z], sym_id=prims.PrimIDs.RETURN)
+    bsyms = [unrelated, feeds_first, first, wait_first, feeds_second, second, wait_second, reader, ret]
+    assert program.issue_collectives_early(bsyms) == [
+        feeds_first,
+        first,
+        wait_first,
+        feeds_second,
+        second,
+        unrelated,
+        wait_second,
+        reader,
+        ret,
+    ]
+
+
+def test_issue_collectives_early_moves_nothing_across_a_random_op_or_an_effect():
+    x, y, a, b, c, r = _proxies("x", "y", "a", "b", "c", "r")
+    all_reduce = _all_reduce_name()
+    before = _bsym("sin", [y], [a])
+    draw = _bsym("uniform", [], [r])  # a random draw: its place in the RNG's sequence stays
+    feeds = _bsym("mul", [x], [b])
+    collective = _bsym(all_reduce, [b], [c])
+    check = _bsym("check_tensor_metadata", [x], [])  # outputs nothing: there for its effect
+    bsyms = [before, draw, feeds, collective, check]
+    assert program.issue_collectives_early(bsyms) == bsyms
+    assert program.issue_collectives_early([before, feeds, collective]) == [feeds, collective, before]

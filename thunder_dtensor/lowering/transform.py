@@ -25,6 +25,7 @@ from thunder_dtensor.lowering.graph import (
 from thunder_dtensor.lowering.program import (
     claimed,
     flatten_dtensor_composites,
+    issue_collectives_early,
     pair_vjps,
     place_waits_late,
     unwrap_early,
@@ -70,6 +71,16 @@ LOWERING_OPTION = "dtensor_lowering"
 def lowering_enabled() -> bool:
     value = ti.get_compile_option(LOWERING_OPTION, "lower DTensor ops to local ops plus explicit collectives")
     return True if value is None else bool(value)
+
+
+#: the thunder compile option (``thunder.jit(fn, dtensor_issue_early=True)``) that issues each collective as early
+#: as its inputs allow (``program.issue_collectives_early``); off by default: on CPU (gloo) it measured nothing
+ISSUE_EARLY_OPTION = "dtensor_issue_early"
+
+
+def issue_early_enabled() -> bool:
+    value = ti.get_compile_option(ISSUE_EARLY_OPTION, "issue each collective as early as its inputs allow")
+    return bool(value)
 
 
 def _is_tensor_proxy(x: Any) -> bool:
@@ -567,7 +578,8 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
             state.restore(saved)
             state.keep(bsym, str(e))
     new_trace = state.trace
-    new_trace.bound_symbols = unwrap_early(place_waits_late(claimed(state.bsyms, executors)))
+    bsyms = issue_collectives_early(state.bsyms) if issue_early_enabled() else state.bsyms
+    new_trace.bound_symbols = unwrap_early(place_waits_late(claimed(bsyms, executors)))
     new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  # (see annotate_not_lowered)
     new_trace.set_provenance(ti.TraceProvenance(f"DTensor lowering ({state.lowered} prims lowered)"))
     return new_trace

@@ -74,7 +74,7 @@ def lowering_enabled() -> bool:
 
 
 #: the thunder compile option (``thunder.jit(fn, dtensor_issue_early=True)``) that issues each collective as early
-#: as its inputs allow (``program.issue_collectives_early``); off by default: on CPU (gloo) it measured nothing
+#: as its inputs allow (``program.issue_collectives_early``); off by default (it reorders every lowered program)
 ISSUE_EARLY_OPTION = "dtensor_issue_early"
 
 

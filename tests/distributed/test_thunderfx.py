@@ -150,3 +150,39 @@ def test_an_inductor_region_compiled_on_one_rank_is_never_run_on_another():
     if dist.get_rank() == 0:
         shutil.rmtree(cache_dir[0], ignore_errors=True)
     torch.testing.assert_close(out.full_tensor(), fn(full_x, full_y))
+
+
+def test_a_graph_output_read_by_nothing_gives_its_inputs_no_gradient():
+    """Before a graph break, ``y = x * 2`` is an output of the first graph (the ``if`` reads it); the graph after
+    the break takes it as an input and does not read it, so its backward gives it ``None``. torch's autograd still
+    calls the first graph's node, and thunder's bridge ran its backward on zeros: ``x.grad`` was zeros where torch
+    gives ``None`` (fuzz seed 7460; an optimizer with weight decay would then move ``x``). A second output that is
+    read (``z``) still gets its gradient, and the unread one's missing gradient counts as zeros there."""
+
+    def unread(x, w):
+        y = x * 2
+        if y.amax() > 0.5:
+            y = torch.relu(y)
+        return w * 3
+
+    def partly_read(x, w):
+        y, z = x * 2, x.sin()
+        if y.amax() > 0.5:
+            y = torch.relu(y)
+        return w * z
+
+    full_x, full_w = make_full((4, 6), seed=8), make_full((4, 6), seed=9)
+    for fn in (unread, partly_read):
+        x, w = _dt(full_x, [Shard(0)]), _dt(full_w, [Replicate()])
+        out = thunderfx(fn)(x, w)
+        out.backward(distribute_tensor(torch.ones(4, 6), mesh_1d(), out.placements))
+        plain_x, plain_w = full_x.clone().requires_grad_(), full_w.clone().requires_grad_()
+        fn(plain_x, plain_w).sum().backward()
+        eager_x, eager_w = _dt(full_x, [Shard(0)]), _dt(full_w, [Replicate()])
+        eager = fn(eager_x, eager_w)
+        eager.backward(distribute_tensor(torch.ones(4, 6), mesh_1d(), eager.placements))
+        for got, want, placed in ((x, plain_x, eager_x), (w, plain_w, eager_w)):
+            assert (got.grad is None) == (want.grad is None) == (placed.grad is None), fn.__name__
+            if want.grad is not None:
+                torch.testing.assert_close(got.grad.full_tensor(), want.grad)
+                assert got.grad.placements == placed.grad.placements

@@ -47,7 +47,8 @@ What is patched, and why:
   a jitted function is called under applies to that call only (``scope_ambient_autocast_to_each_call``).
 * thunder 0.2.6's grad rules forget the conjugate for complex tensors; they are re-registered with it
   (``fix_complex_gradients``); thunder's torch.compile executors leave ops on complex tensors out of their
-  regions, which dynamo cannot take as inputs (``keep_complex_tensors_out_of_torch_compile_regions``).
+  regions, which dynamo cannot take as inputs (``keep_complex_tensors_out_of_torch_compile_regions``); its
+  autograd bridge gives no gradient where none came in (``no_gradient_in_no_gradient_out``).
 * ``torch.nn.attention.sdpa_kernel`` runs as a trace-time no-op with a feasibility check
   (``install_sdpa_kernel_support``).
 * What model libraries do inside a forward, which thunder 0.2.6 gets wrong for plain tensors too
@@ -212,6 +213,7 @@ from thunder_dtensor._integration.fixes.thunder_fixes import (
     keep_named_members_in_order,
     keep_saved_tensors_from_in_place_writes,
     name_opaque_arguments_of_traced_functions,
+    no_gradient_in_no_gradient_out,
     refuse_branches_on_run_time_numbers,
     register_gradient_hooks_on_real_tensors,
     replay_the_state_the_program_leaves,
@@ -490,6 +492,7 @@ __all__ += [
     "installers",
     "interpret_itertools_chain",
     "keep_complex_tensors_out_of_torch_compile_regions",
+    "no_gradient_in_no_gradient_out",
     "keep_dtensors_in_alias_updates",
     "keep_named_members_in_order",
     "keep_saved_tensors_from_in_place_writes",

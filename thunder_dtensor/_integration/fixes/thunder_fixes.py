@@ -45,6 +45,7 @@ from thunder_dtensor._integration.program_scope import (
     add_program_executor,
     has_dtensor_inputs,
     on_each_call,
+    running_a_dtensor_program,
     traced_a_dtensor,
 )
 from thunder_dtensor._integration.registry import (
@@ -1201,3 +1202,78 @@ def refuse_branches_on_run_time_numbers(refusal: Callable[[Any], Exception]) -> 
         return jit_ext._general_jit_lookaside_map[bool](wrapped)  # thunder's
 
     add_scoped_lookaside(name, bool, bool_lookaside)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thunder's autograd bridge: no gradient in, no gradient out
+# ---------------------------------------------------------------------------------------------------------
+def _zeros_like_output(output: Any) -> Callable[[], Any] | None:
+    """What torch's autograd would put in place of a missing gradient of ``output`` (``zeros_like``), made from its
+    metadata only (the bridge must not hold its own outputs: a reference cycle through ``grad_fn``)."""
+    from thunder_dtensor._integration.bootstrap import DTensor
+
+    if isinstance(output, DTensor):
+        spec, local = output._spec, output._local_tensor
+        shape, stride, dtype, device = tuple(local.shape), tuple(local.stride()), local.dtype, local.device
+        return lambda: DTensor.from_local(
+            torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_(),
+            spec.mesh,
+            spec.placements,
+            run_check=False,
+            shape=spec.shape,
+            stride=spec.stride,
+        )
+    if isinstance(output, torch.Tensor):
+        shape, stride, dtype, device = tuple(output.shape), tuple(output.stride()), output.dtype, output.device
+        return lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+    return None
+
+
+@installer("thunder-fix", "a compiled program none of whose outputs gets a gradient gives its inputs none")
+def no_gradient_in_no_gradient_out() -> None:
+    """torch's autograd calls a node whose outputs got no gradient when another path reaches it (thunderfx: a
+    graph's output that the graph after a break takes as an input but does not read, whose backward gives it
+    ``None``), and an autograd Function sees zeros there unless it asks otherwise. thunder's bridge
+    (``ThunderFunction``) then ran its backward on zeros and handed its inputs zero gradients where torch's own
+    nodes give none: ``x.grad`` a tensor of zeros instead of ``None`` (fuzz seed 7460; an optimizer with weight
+    decay updates such a parameter, eager does not). In DTensor programs the bridge (without thunder.jit's split,
+    as thunderfx runs it) asks torch not to make the zeros: with no gradient at all it gives its inputs none, else
+    it makes the zeros itself."""
+    from thunder.executors.torch_autograd import ThunderFunction
+
+    forward, backward = ThunderFunction.forward, ThunderFunction.backward
+    n_leading = 7  # the bridge's arguments before its flat outputs' tensors: (..., flat_output, *flat_args)
+
+    def forward_noting_outputs(ctx: Any, *args: Any) -> Any:
+        out = forward(ctx, *args)
+        side_channel, flat_output, flat_args = args[2], args[n_leading - 1], args[n_leading:]
+        chosen = mode("no_gradient_in_no_gradient_out")
+        if side_channel is None and (
+            chosen == EVERYWHERE or (chosen == IN_DTENSOR_PROGRAMS and running_a_dtensor_program())
+        ):
+            ctx.set_materialize_grads(False)
+            ctx.thunder_dtensor_zeros = [_zeros_like_output(o) for o in flat_output]
+            ctx.thunder_dtensor_inputs = len(flat_args)
+        return out
+
+    def backward_without_gradient(ctx: Any, *grads: Any) -> Any:
+        zeros = getattr(ctx, "thunder_dtensor_zeros", None)
+        if zeros is not None:
+            if all(g is None for g in grads):
+                return (None,) * (n_leading + ctx.thunder_dtensor_inputs)
+            grads = tuple(make() if g is None and make is not None else g for g, make in zip(grads, zeros))
+        return backward(ctx, *grads)
+
+    bridge = "thunder.executors.torch_autograd.ThunderFunction"
+    patch(
+        ThunderFunction,
+        "forward",
+        staticmethod(forward_noting_outputs),
+        expects=expects_qualified(f"{bridge}.forward", "ctx", "return_none_instead_of_grads"),
+    )
+    patch(
+        ThunderFunction,
+        "backward",
+        staticmethod(backward_without_gradient),
+        expects=expects_qualified(f"{bridge}.backward", "ctx"),
+    )

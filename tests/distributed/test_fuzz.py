@@ -179,3 +179,14 @@ def test_ranks_whose_results_disagree_fail_by_name_instead_of_hanging():
     run = _execute(raises_on_one_rank, lambda: [distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])], None)
     assert isinstance(run.error, RanksDisagree) and run.phase == "forward", run.error
     assert "rank 1: raised ValueError: only here" in str(run.error), run.error
+
+
+@pytest.mark.world_size(2)
+def test_the_documented_mean_loss_rewrite_is_no_placement_failure():
+    """Seed 7454 ends in a mean ``cross_entropy`` over a batch-sharded input: eager DTensor's ``Partial(avg)`` of
+    per-rank means is ``Partial(sum)`` here on purpose (``ops/losses.py``); the fuzzer reported it as a placement
+    mismatch. Other placements still have to be eager's."""
+    program = generate_program(7454, 2, mesh_shape_for(7454, 2))
+    assert program.kinds[-1] == "cross_entropy" and 'reduction="mean"' in program.steps[-1].line
+    result = run_program(program)
+    assert result.outcome == "passed", result.failures

@@ -1251,6 +1251,7 @@ def _the_mean_loss_rewrite(program: Program, got: tuple, eager: tuple) -> bool:
     """Whether ``got`` is eager's placements but for the documented rewrite of a mean class-index loss
     (``ops/losses.py``: ``Partial(sum)`` where eager's ``Partial(avg)`` averages per-rank means)."""
     from thunder_dtensor.testing import same_placements
+
     from torch.distributed.tensor import Partial
 
     last = program.steps[-1]

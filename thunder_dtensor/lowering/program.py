@@ -117,9 +117,10 @@ def issue_collectives_early(bsyms: list) -> list:
     ``get_grad`` / ``put_grad``, the return), the collectives are taken in order, each preceded by the symbols
     of that stretch it transitively reads that are not placed yet; the rest of the stretch follows in its order.
     Only data order changes, so values do not. With the waits placed late (:func:`place_waits_late`), a
-    collective then overlaps everything between its issue and its first reader: on NCCL, where a collective runs on its own stream, that is time hidden; on gloo, whose
-    collectives complete on their own threads, some loopback latency (``benchmarks/bench.py``'s
-    ``thunder_on_early`` variant: 0.93-1.01x the default's step time).
+    collective then overlaps everything between its issue and its first reader: on NCCL, where a collective
+    runs on its own stream, that is time hidden; on gloo, whose collectives complete on their own threads, some
+    loopback latency (``benchmarks/bench.py``'s ``thunder_on_early`` variant: 0.93-1.01x the default's step
+    time).
     """
     out: list = []
     stretch: list = []

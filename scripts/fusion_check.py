@@ -20,8 +20,7 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import thunder_dtensor  # noqa: F401,E402  (before thunder)
-from thunder_dtensor.lowering import issues_a_collective  # noqa: E402
-from thunder_dtensor.testing import init_distributed, shutdown_distributed  # noqa: E402
+from thunder_dtensor.testing import collectives_issued, init_distributed, shutdown_distributed  # noqa: E402
 
 import thunder  # noqa: E402
 import torch  # noqa: E402
@@ -64,22 +63,6 @@ def _programs(compiled: Any, frontend: str) -> list:
     return [t for fn in jitted for t in (thunder.last_traces(fn)[-1], thunder.last_backward_traces(fn)[-1])]
 
 
-def _collectives(traces: list) -> dict[str, int]:
-    """The collectives the programs issue, by symbol, counted inside fusion regions too."""
-    counts: dict[str, int] = {}
-
-    def visit(bsyms: list) -> None:
-        for b in bsyms:
-            if issues_a_collective(b):
-                counts[b.sym.name] = counts.get(b.sym.name, 0) + 1
-            elif b.subsymbols and re.match(r"TorchCompile\d+$", b.sym.name):
-                visit(b.subsymbols)
-
-    for t in traces:
-        visit(t.bound_symbols)
-    return dict(sorted(counts.items()))
-
-
 def _graphs(traces: list) -> str:
     """How many inductor graphs (torch.compile regions) the forward and backward programs hold."""
 
@@ -112,7 +95,7 @@ def _step(workload: Any, frontend: str, variant: str) -> dict:
     return {
         "loss": full_loss.detach(),
         "grads": grads,
-        "comms": _collectives(_programs(compiled, frontend)),
+        "comms": collectives_issued(_programs(compiled, frontend)),
         "graphs": _graphs(_programs(compiled, frontend)),
     }
 

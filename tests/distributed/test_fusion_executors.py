@@ -12,7 +12,7 @@ import copy
 import functools
 
 from thunder_dtensor.lowering import COLLECTIVE_SYMBOLS, symbol_name
-from thunder_dtensor.testing import mesh_1d
+from thunder_dtensor.testing import collectives_issued, mesh_1d
 from thunder_dtensor.testing.llama import Llama, LlamaConfig, apply_rotary, apply_tp, rotary_frequencies
 from thunder_dtensor.testing.training import full_value
 from thunder_dtensor.thunder_equivalents import THUNDER_EQUIVALENTS
@@ -150,18 +150,6 @@ class _SequenceParallelBlock(nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-def _collectives_issued(jitted) -> list[str]:
-    """The collective symbols of the executed forward and backward, inside torch.compile regions too."""
-    traces = (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
-    names = [
-        s.sym.name
-        for t in traces
-        for b in t.bound_symbols
-        for s in (b.subsymbols if b.sym.name.startswith("TorchCompile") else [b])
-    ]
-    return sorted(n for n in names if n in COLLECTIVE_SYMBOLS)
-
-
 @pytest.mark.world_size(2)
 def test_torch_compile_executor_does_not_recompute_collectives_in_the_backward():
     """thunder's rematerialization (run where a fusion executor is listed) moved the sequence all-gather, whose
@@ -190,7 +178,10 @@ def test_torch_compile_executor_does_not_recompute_collectives_in_the_backward()
         loss = jitted(x).pow(2).mean()
         loss.backward()
         grads = {n: (full_value(p.grad), p.grad.placements) for n, p in model.named_parameters()}
-        results.append((None if executors == "eager" else _collectives_issued(jitted), full_value(loss), grads))
+        traces = (
+            () if executors == "eager" else (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
+        )
+        results.append((collectives_issued(traces), full_value(loss), grads))
     (
         (_, eager_loss, eager_grads),
         (default_comms, default_loss, default_grads),

@@ -31,6 +31,7 @@ __all__ = [
     "assert_jit_matches_eager",
     "assert_matches_full",
     "assert_no_more_comms",
+    "collectives_issued",
     "comm_counts",
     "comm_report",
     "device_type",
@@ -285,6 +286,25 @@ _COMM_KINDS = {
     "gather_": "gather",
     "reduce_": "reduce",
 }
+
+
+def collectives_issued(traces: Sequence[Any]) -> dict[str, int]:
+    """The collectives executed programs (``traces``) issue, by symbol name, counted inside thunder's torch.compile
+    regions too (torch's ``CommDebugMode`` is a dispatch mode, which torch.compile refuses)."""
+    from thunder_dtensor.lowering import issues_a_collective
+
+    counts: dict[str, int] = {}
+
+    def visit(bsyms: Sequence[Any]) -> None:
+        for b in bsyms:
+            if issues_a_collective(b):
+                counts[b.sym.name] = counts.get(b.sym.name, 0) + 1
+            elif b.sym.name.startswith("TorchCompile"):
+                visit(b.subsymbols)
+
+    for trace in traces:
+        visit(trace.bound_symbols)
+    return dict(sorted(counts.items()))
 
 
 def comm_counts(mode: Any) -> dict[str, int]:

@@ -676,6 +676,11 @@ def build_runner(name: str, w: Workload) -> Runner:
         r.step = lambda: _backward(forward_and_loss())
         return r
     model = w.make_model()
+
+    def forward_and_loss(*inputs: Any) -> torch.Tensor:
+        return w.loss(model(*inputs), w.target)
+
+    compiles_the_loss = False  # the loss inside the program: no eager DTensor op after it
     if name == "eager":
         fn = model
     elif name == "torch.compile":
@@ -691,17 +696,9 @@ def build_runner(name: str, w: Workload) -> Runner:
         from thunder.executors.torch_compile import torch_compile_ex
 
         _fresh_inductor()
+        compiles_the_loss = name == "thunder_on_tcex_loss"
         executors = [torch_compile_ex, *thunder.get_default_executors()]
-        if name == "thunder_on_tcex_loss":  # the loss inside the program: no eager DTensor op after it
-
-            def forward_and_loss(*inputs: Any) -> torch.Tensor:
-                return w.loss(model(*inputs), w.target)
-
-            step_fn = thunder.jit(forward_and_loss, dtensor_lowering=True, executors=executors)
-            r.model, r.compiled, r.params = model, step_fn, [p for p in model.parameters() if p.requires_grad]
-            r.step = lambda: _backward(step_fn(*w.inputs))
-            return r
-        fn = thunder.jit(model, dtensor_lowering=True, executors=executors)
+        fn = thunder.jit(forward_and_loss if compiles_the_loss else model, dtensor_lowering=True, executors=executors)
     elif name == "thunderfx_off":
         from thunder.dynamo import thunderfx
 
@@ -715,7 +712,8 @@ def build_runner(name: str, w: Workload) -> Runner:
     else:
         raise ValueError(f"unknown variant {name!r}")
     r.model, r.compiled, r.params = model, fn, [p for p in model.parameters() if p.requires_grad]
-    r.step = lambda: _backward(w.loss(fn(*w.inputs), w.target))
+    loss = fn if compiles_the_loss else lambda *inputs: w.loss(fn(*inputs), w.target)
+    r.step = lambda: _backward(loss(*w.inputs))
     return r
 
 

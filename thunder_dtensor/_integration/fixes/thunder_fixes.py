@@ -1210,10 +1210,10 @@ def refuse_branches_on_run_time_numbers(refusal: Callable[[Any], Exception]) -> 
 def _zeros_like_output(output: Any) -> Callable[[], Any] | None:
     """What torch's autograd would put in place of a missing gradient of ``output`` (``zeros_like``), made from its
     metadata only (the bridge must not hold its own outputs: a reference cycle through ``grad_fn``)."""
-    from thunder_dtensor._integration.bootstrap import DTensor
+    from thunder_dtensor._integration.bootstrap import DTensor, dtensor_spec, local_tensor
 
     if isinstance(output, DTensor):
-        spec, local = output._spec, output._local_tensor
+        spec, local = dtensor_spec(output), local_tensor(output)
         shape, stride, dtype, device = tuple(local.shape), tuple(local.stride()), local.dtype, local.device
         return lambda: DTensor.from_local(
             torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_(),

@@ -8,8 +8,9 @@ Run with ``torchrun --nproc-per-node 2 --local-ranks-filter 0 benchmarks/breakdo
 - profiles a few more steps of each variant with ``torch.profiler`` and counts, per step: the time spent in
   ``_c10d_functional::wait_tensor`` (blocked on a collective: the peer's arrival plus gloo's own latency),
   the collectives issued (``c10d::`` ops, barriers excluded), the ATen calls (every level: a measure of
-  per-op dispatch), and the time in DTensor's ``__torch_dispatch__`` (``PythonSubclass``: eager DTensor ops
-  outside the compiled program, the loss and the gradients' accumulation into DTensor parameters).
+  per-op dispatch), the time in DTensor's ``__torch_dispatch__`` (``PythonSubclass``: eager DTensor ops
+  outside the compiled program, the loss and the gradients' accumulation into DTensor parameters), and the
+  inductor graphs run (calls of compiled graphs, forward and backward: each costs its wrappers and guards).
 
 Profiled times are inflated by the profiler; compare them between variants of one run only.
 """
@@ -40,16 +41,30 @@ COLUMNS = (
     ("wait_per_collective_us", "µs waited per collective"),
     ("aten_calls", "ATen calls (all levels)"),
     ("dtensor_dispatch_ms", "DTensor dispatch ms (profiled)"),
+    ("inductor_graphs", "inductor graphs run"),
 )
+COUNTS = ("collectives", "aten_calls", "wait_per_collective_us", "inductor_graphs")
 
 
 def _profile(r: bench.Runner) -> dict:
     """Per-step counts and times of ``PROFILED_STEPS`` profiled steps of ``r`` (this rank)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(PROFILED_STEPS):
-            r.zero_grad()
-            dist.barrier()
-            r.step()
+    from torch._inductor.output_code import CompiledFxGraph
+
+    graphs_run, call = [0], CompiledFxGraph.__call__
+
+    def counted(self: CompiledFxGraph, inputs: object) -> object:
+        graphs_run[0] += 1
+        return call(self, inputs)
+
+    CompiledFxGraph.__call__ = counted  # type: ignore[method-assign]  # (this script only, while profiling)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(PROFILED_STEPS):
+                r.zero_grad()
+                dist.barrier()
+                r.step()
+    finally:
+        CompiledFxGraph.__call__ = call  # type: ignore[method-assign]
     wait_us = collectives = aten = dispatch_us = 0.0
     for e in prof.events():
         if e.name == "_c10d_functional::wait_tensor":
@@ -66,6 +81,7 @@ def _profile(r: bench.Runner) -> dict:
         "collectives": collectives / n,
         "aten_calls": aten / n,
         "dtensor_dispatch_ms": dispatch_us / n / 1e3,
+        "inductor_graphs": graphs_run[0] / n,
     }
 
 
@@ -106,7 +122,8 @@ def _markdown(report: dict) -> str:
         f"{report['machine']}; {report['rounds']} interleaved rounds per case, then {PROFILED_STEPS} profiled "
         "steps per variant; every number is the max over ranks. Step and CPU: medians of the timed rounds. "
         "Waiting: time blocked in `wait_tensor`; collectives: `c10d::` ops; ATen calls: every dispatcher level; "
-        "DTensor dispatch: eager DTensor ops outside the compiled program (the loss, gradient accumulation).",
+        "DTensor dispatch: eager DTensor ops outside the compiled program (the loss, gradient accumulation); "
+        "inductor graphs: compiled graphs called a step.",
         "",
         "| workload | size | variant | " + " | ".join(title for _, title in COLUMNS) + " |",
         "|---|---|---|" + "---|" * len(COLUMNS),
@@ -114,12 +131,7 @@ def _markdown(report: dict) -> str:
     for case, rows in report["cases"].items():
         name, size = case.split(":")
         for variant, row in rows.items():
-            cells = " | ".join(
-                f"{row[key]:.0f}"
-                if key in ("collectives", "aten_calls", "wait_per_collective_us")
-                else f"{row[key]:.2f}"
-                for key, _ in COLUMNS
-            )
+            cells = " | ".join(f"{row[key]:.0f}" if key in COUNTS else f"{row[key]:.2f}" for key, _ in COLUMNS)
             lines.append(f"| {name} | {size} | {variant} | {cells} |")
     return "\n".join(lines) + "\n"
 

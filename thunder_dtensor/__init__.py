@@ -33,7 +33,7 @@ _integration.keep_saved_tensors_from_in_place_writes()  # v /= v.sum(): the back
 _integration.name_opaque_arguments_of_traced_functions()  # MyFunction.apply(x, process_group)
 _integration.run_torch_custom_ops()  # torch.ops.ns.op(...) of a torch.library.custom_op
 _integration.answer_requires_grad_of_computed_values()  # x.view(-1).requires_grad is True, as in eager
-_integration.keep_complex_tensors_out_of_torch_compile_regions()  # dynamo cannot take a complex view as input
+_integration.give_torch_compile_regions_whole_complex_tensors()  # dynamo cannot take a complex view as input
 _integration.no_gradient_in_no_gradient_out()  # thunderfx: an unread graph output does not give zero gradients
 
 if DISTRIBUTED_AVAILABLE:

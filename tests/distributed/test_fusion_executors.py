@@ -2,8 +2,8 @@
 
 The lowering emits each local ATen op that thunder has a symbol for as that symbol (thunder_equivalents.py).
 With thunder's torch.compile executor listed, inductor compiles the local math and the functional collectives
-in one region where nothing else cuts it (as torch.compile compiles a DTensor program); ops on complex tensors
-(RoPE) and the DTensor boundary stay outside its regions, the collectives are the default executors' (counted),
+in one region where nothing else cuts it (as torch.compile compiles a DTensor program), complex RoPE included;
+the DTensor boundary stays outside its regions, the collectives are the default executors' (counted),
 and values and gradients equal the default executors'. (`make bench` runs every bench model that way: its
 `thunder_on_tcex` variant.)
 """
@@ -21,6 +21,8 @@ import pytest
 import thunder
 import torch
 import torch.nn as nn
+from thunder.core import dtypes
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 STEPS = 2
@@ -125,15 +127,41 @@ def test_torch_compile_executor_compiles_the_local_math_and_the_collectives_toge
         outside = _names(trace)
         assert regions and "matmul" in inside, sorted(set(inside))
         # the collectives are in inductor's regions, each of them (the default's, counted); the DTensor boundary
-        # never is; the real local math is, the complex RoPE is not
+        # never is; the real local math and the complex RoPE are: one region each way
         collectives = sorted(n for n in inside + outside if n in COLLECTIVE_SYMBOLS)
         assert collectives == sorted(n for n in _names(default) if n in COLLECTIVE_SYMBOLS), collectives
         assert collectives and not set(outside) & set(COLLECTIVE_SYMBOLS), sorted(set(outside))
         assert not set(inside) & BOUNDARY, sorted(set(inside))
         assert not set(outside) & LOCAL_MATH, sorted(set(outside) & LOCAL_MATH)
-        for b in trace.bound_symbols:
-            if b.sym.name == "mul":
-                assert any(getattr(a, "dtype", None) == thunder.complex64 for a in b.flat_proxy_args), str(b)
+        assert len(regions) == 1, [r.sym.name for r in regions]
+        assert any(
+            dtypes.is_complex_dtype(a.dtype) for r in regions for s in r.subsymbols for a in s.flat_proxy_args
+        ), "the complex RoPE is left out of the region"
+
+
+def _scaled_twice(dx: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return dx * 2, torch.view_as_real(c * 3)
+
+
+@pytest.mark.world_size(2)
+def test_a_torch_compile_region_takes_a_complex_view_of_a_real_tensor():
+    """Dynamo cannot take ``view_as_complex`` of a real tensor as an input: the region that multiplies one, fused
+    with the DTensor's local math, is handed a copy."""
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    g = torch.Generator().manual_seed(3)
+    x, real = torch.randn(4, 6, generator=g), torch.randn(3, 8, generator=g)  # viewed as (3, 4, 2)
+    jitted = thunder.jit(_scaled_twice, executors=[torch_compile_ex, *thunder.get_default_executors()])
+    for step in range(2):
+        dx = distribute_tensor(x + step, mesh_1d(), [Shard(0)]).requires_grad_()
+        out, out_real = jitted(dx, torch.view_as_complex((real + step).view(3, 4, 2)))
+        torch.testing.assert_close(out.full_tensor(), (x + step) * 2)
+        torch.testing.assert_close(out_real, (real + step).view(3, 4, 2) * 3)
+        out.sum().backward()
+        torch.testing.assert_close(dx.grad.full_tensor(), torch.full_like(x, 2.0))
+    (region,) = [b for b in thunder.last_traces(jitted)[-1].bound_symbols if b.sym.name.startswith("TorchCompile")]
+    assert any(dtypes.is_complex_dtype(a.dtype) for a in region.args), str(region)
+    assert thunder.cache_misses(jitted) == 1
 
 
 class _SequenceParallelBlock(nn.Module):
@@ -193,3 +221,41 @@ def test_torch_compile_executor_does_not_recompute_collectives_in_the_backward()
         for name, (grad, placements) in eager_grads.items():
             assert grads[name][1] == placements, name
             torch.testing.assert_close(grads[name][0], grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _regions(trace) -> int:
+    return sum(1 for b in trace.bound_symbols if b.sym.name.startswith("TorchCompile"))
+
+
+@pytest.mark.world_size(2)
+def test_thunderfx_fuses_a_lowered_backward_into_one_graph():
+    """thunderfx partitions with thunder's ``dataflow`` fusion, which never fuses a symbol tagged as backward
+    with an untagged one: the ops a backward dtensor prim was lowered into lost the tag, and the block's fused
+    backward was three inductor graphs around thunder's own GELU gradient. One graph each way, and the default
+    executors' values and gradients."""
+    from thunder.dynamo import thunderfx
+    from thunder.executors.torch_compile import torch_compile_ex
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    torch.manual_seed(0)
+    block = _SequenceParallelBlock()
+    plan = {
+        "norm": SequenceParallel(),
+        "fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    x = distribute_tensor(torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1)), mesh_1d(), [Shard(1)])
+    results = []
+    for executors in (None, [torch_compile_ex, *thunder.get_default_executors()]):
+        model = parallelize_module(copy.deepcopy(block), mesh_1d(), plan)
+        compiled = thunderfx(model, **({} if executors is None else {"executors": executors}))
+        loss = compiled(x).pow(2).mean()
+        loss.backward()
+        results.append((full_value(loss), {n: full_value(p.grad) for n, p in model.named_parameters()}, compiled))
+    (default_loss, default_grads, _), (fused_loss, fused_grads, fused) = results
+    torch.testing.assert_close(fused_loss, default_loss)
+    for name, grad in default_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, msg=lambda m, n=name: f"{n}: {m}")
+    (jitted,) = [fn for info in fused._backend.subgraph_infos for fn in info.thunder_compiled_fns]
+    assert _regions(thunder.last_traces(jitted)[-1]) == 1
+    assert _regions(thunder.last_backward_traces(jitted)[-1]) == 1, str(thunder.last_backward_traces(jitted)[-1])

@@ -46,8 +46,9 @@ What is patched, and why:
   so DTensor ops get autocast's casts as dtensor prims in the trace (``install_autocast_hook``); the autocast
   a jitted function is called under applies to that call only (``scope_ambient_autocast_to_each_call``).
 * thunder 0.2.6's grad rules forget the conjugate for complex tensors; they are re-registered with it
-  (``fix_complex_gradients``); thunder's torch.compile executors leave ops on complex tensors out of their
-  regions, which dynamo cannot take as inputs (``keep_complex_tensors_out_of_torch_compile_regions``); its
+  (``fix_complex_gradients``); thunder's torch.compile executors take complex ops into their regions, handing
+  dynamo a copy of a complex view of a real tensor, which it cannot take as an input
+  (``give_torch_compile_regions_whole_complex_tensors``); its
   autograd bridge gives no gradient where none came in (``no_gradient_in_no_gradient_out``).
 * ``torch.nn.attention.sdpa_kernel`` runs as a trace-time no-op with a feasibility check
   (``install_sdpa_kernel_support``).
@@ -206,10 +207,10 @@ from thunder_dtensor._integration.fixes.thunder_fixes import (
     functionalize_writes_into_views_that_require_grad,
     fused_sdp_choice,
     give_meta_tensors_a_stride,
+    give_torch_compile_regions_whole_complex_tensors,
     install_sdpa_kernel_support,
     interpret_itertools_chain,
     is_sdpa_kernel_fx_target,
-    keep_complex_tensors_out_of_torch_compile_regions,
     keep_named_members_in_order,
     keep_saved_tensors_from_in_place_writes,
     name_opaque_arguments_of_traced_functions,
@@ -480,6 +481,7 @@ __all__ += [
     "fix_complex_gradients",
     "functionalize_writes_into_views_that_require_grad",
     "give_meta_tensors_a_stride",
+    "give_torch_compile_regions_whole_complex_tensors",
     "install_autocast_hook",
     "install_compiled_program_hook",
     "install_fsdp_support",
@@ -491,7 +493,6 @@ __all__ += [
     "installed",
     "installers",
     "interpret_itertools_chain",
-    "keep_complex_tensors_out_of_torch_compile_regions",
     "no_gradient_in_no_gradient_out",
     "keep_dtensors_in_alias_updates",
     "keep_named_members_in_order",

@@ -198,8 +198,16 @@ def mesh_group_names(mesh: Any) -> tuple[str, ...]:
     return tuple(group_name(mesh, dim) for dim in range(mesh.ndim))
 
 
-def let_torch_executors_claim(symbol: Symbol, fn: Callable) -> None:
-    """Make a lowered local op claimable by thunder's torch executor and fusible by its torch.compile executor.
+def let_torch_executors_claim(
+    symbol: Symbol,
+    fn: Callable,
+    *,
+    owner: str = "compile_pipeline.let_torch_executors_claim",
+    reason: str = "a local op of the lowering, claimable by torch's executors",
+    kind: str = "dtensor",
+) -> None:
+    """Make an op (a lowered local op; ``owner``'s own operator) claimable by thunder's torch executor and fusible
+    by its torch.compile executor.
 
     thunder's ``torchcompile`` executor fuses only symbols in its table and compiles each region through the
     torch executor, so the op goes into both. Functional collectives do too (inductor compiles them, as
@@ -211,18 +219,14 @@ def let_torch_executors_claim(symbol: Symbol, fn: Callable) -> None:
 
     op = pytorch_ex.register_operator(symbol.name, like=symbol, fn=fn)
     pytorch_ex.register_implementation(symbol, op, checker=lambda *args, **kwargs: True)
-    # thunder's registration made the torch executor's entries: recorded (so listed and undoable) as ours
-    owner, why = (
-        "compile_pipeline.let_torch_executors_claim",
-        "a local op of the lowering, claimable by torch's executors",
-    )
+    # thunder's registration made the torch executor's entries: recorded (so listed and undoable) as ``owner``'s
     entries = (
         (pytorch_ex.opmap, symbol.name, pytorch_ex.opmap.pop(symbol.name), "thunder.executors.torchex.ex.opmap"),
         (pytorch_ex.implmap, symbol.id, pytorch_ex.implmap.pop(symbol.id), "thunder.executors.torchex.ex.implmap"),
         (torch_compile_ex.implmap, symbol.id, ImplInfo(), "thunder.executors.torch_compile.torch_compile_ex.implmap"),
     )
     for table, key, value, table_name in entries:
-        add_entry(table, key, value, table_name=table_name, owner=owner, reason=why)
+        add_entry(table, key, value, table_name=table_name, owner=owner, reason=reason, kind=kind)
 
 
 def claiming_operator(bsym: BoundSymbol, executors: Sequence[Any]) -> Symbol | None:

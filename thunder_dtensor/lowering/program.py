@@ -17,13 +17,28 @@ from thunder_dtensor.primitive import PRIMS, is_generic_vjp
 from thunder_dtensor.proxy import DTensorProxy
 
 
+def inherit_backward_tag(bsym: Any, replacements: Sequence) -> None:
+    """Tag ``replacements`` (what ``bsym`` was opened or lowered into) as backward where ``bsym`` is.
+
+    thunder's autodiff tags every symbol of the backward; its ``dataflow`` fusion partition (thunderfx's) never
+    fuses a tagged symbol with an untagged one, so a lowered backward whose emitted ops lost the tag was cut into
+    a region per stretch of thunder's own gradient ops (the block's fused backward under thunderfx: three graphs).
+    """
+    backward = ti.BoundSymbolTag.BACKWARD  # type: ignore[attr-defined]  # (a tag registered at runtime)
+    if backward in bsym.tags:
+        for b in replacements:
+            b.tags.add(backward)
+
+
 def flatten_dtensor_composites(bsyms: list) -> list:
     """Top-level symbols, with composite symbols that touch DTensors replaced by their subsymbols."""
     out = []
     for bsym in bsyms:
         touches = any(isinstance(p, DTensorProxy) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs))
         if touches and bsym.subsymbols and bsym.sym.name not in PRIMS and not bsym.sym.is_prim:
-            out.extend(flatten_dtensor_composites(list(bsym.subsymbols)))
+            opened = flatten_dtensor_composites(list(bsym.subsymbols))
+            inherit_backward_tag(bsym, opened)
+            out.extend(opened)
         else:
             out.append(bsym)
     return out

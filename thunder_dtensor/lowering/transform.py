@@ -25,6 +25,7 @@ from thunder_dtensor.lowering.graph import (
 from thunder_dtensor.lowering.program import (
     claimed,
     flatten_dtensor_composites,
+    inherit_backward_tag,
     issue_collectives_early,
     pair_vjps,
     place_waits_late,
@@ -532,6 +533,42 @@ def joint_gradients(vjp_name: str, vjp_args: tuple) -> tuple | None:
     )
 
 
+def _lower_symbol(state: _Lowering, bsyms: list, pairs: dict, i: int) -> None:
+    """Lower ``bsyms[i]`` into ``state`` (or keep it as it is, saying why)."""
+    bsym = bsyms[i]
+    if i in state.pending_backward:
+        saved = state.snapshot()
+        try:
+            state.pending_backward.pop(i)()
+            return
+        except NotLowerable as e:  # the forward part stays lowered; this gradient recomputes it, eagerly
+            state.restore(saved)
+            state.keep(bsym, str(e))
+            return
+    record = PRIMS.get(bsym.sym.name)
+    if record is None:
+        state.keep(bsym)
+        return
+    why = _not_lowered(record)
+    if why is not None:
+        state.keep(bsym, why)
+        return
+    if record.is_generic_vjp:
+        state.keep(bsym, "its forward was not lowered (the gradient recomputes it)")
+        return
+    saved = state.snapshot()
+    try:
+        if any(_is_empty_dtensor(p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)):
+            raise NotLowerable("an empty tensor (thunder's backward of empty values)")
+        if i in pairs:
+            state.lower_joint(bsym, bsyms[pairs[i]], pairs[i])
+        else:
+            state.lower_forward(bsym)
+    except NotLowerable as e:
+        state.restore(saved)
+        state.keep(bsym, str(e))
+
+
 def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> ti.TraceCtx:
     """The lowered trace (see the module docstring); ``trace`` itself if it has no dtensor prims.
 
@@ -546,37 +583,10 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
     state = _Lowering(trace)
     pairs = pair_vjps(bsyms)
     for i, bsym in enumerate(bsyms):
-        if i in state.pending_backward:
-            saved = state.snapshot()
-            try:
-                state.pending_backward.pop(i)()
-                continue
-            except NotLowerable as e:  # the forward part stays lowered; this gradient recomputes it, eagerly
-                state.restore(saved)
-                state.keep(bsym, str(e))
-                continue
-        record = PRIMS.get(bsym.sym.name)
-        if record is None:
-            state.keep(bsym)
-            continue
-        why = _not_lowered(record)
-        if why is not None:
-            state.keep(bsym, why)
-            continue
-        if record.is_generic_vjp:
-            state.keep(bsym, "its forward was not lowered (the gradient recomputes it)")
-            continue
-        saved = state.snapshot()
-        try:
-            if any(_is_empty_dtensor(p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)):
-                raise NotLowerable("an empty tensor (thunder's backward of empty values)")
-            if i in pairs:
-                state.lower_joint(bsym, bsyms[pairs[i]], pairs[i])
-            else:
-                state.lower_forward(bsym)
-        except NotLowerable as e:
-            state.restore(saved)
-            state.keep(bsym, str(e))
+        emitted_from = len(state.bsyms)
+        _lower_symbol(state, bsyms, pairs, i)
+        # what a backward symbol lowers to is backward too (thunder's dataflow fusion partition reads the tag)
+        inherit_backward_tag(bsym, state.bsyms[emitted_from:])
     new_trace = state.trace
     bsyms = issue_collectives_early(state.bsyms) if issue_early_enabled() else state.bsyms
     new_trace.bound_symbols = unwrap_early(place_waits_late(claimed(bsyms, executors)))

@@ -8,6 +8,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from thunder_dtensor._integration.compile_pipeline import let_torch_executors_claim
 from thunder_dtensor._integration.program_scope import add_first_executor
 from thunder_dtensor._integration.registry import installer
 
@@ -246,15 +247,21 @@ def _register_complex_views(ex: Any) -> None:
     def real_meta(a: Any) -> Any:
         return TensorProxy(like=a, shape=(*a.shape, 2), dtype=dtypes.corresponding_real_dtype(a.dtype))
 
-    as_complex = ex.register_operator("cpu_view_as_complex", meta=complex_meta, fn=torch.view_as_complex)
-    as_real = ex.register_operator("cpu_view_as_real", meta=real_meta, fn=torch.view_as_real)
     # torch's own backward formulas: a gradient may be non-contiguous, or (complex) an unresolved conjugate
-    as_complex_backward = ex.register_operator(
-        "cpu_view_as_complex_backward", meta=real_meta, fn=lambda g: torch.view_as_real(g.contiguous().resolve_conj())
+    fns = {
+        "cpu_view_as_complex": (complex_meta, torch.view_as_complex),
+        "cpu_view_as_real": (real_meta, torch.view_as_real),
+        "cpu_view_as_complex_backward": (real_meta, lambda g: torch.view_as_real(g.contiguous().resolve_conj())),
+        "cpu_view_as_real_backward": (complex_meta, lambda g: torch.view_as_complex(g.contiguous())),
+    }
+    as_complex, as_real, as_complex_backward, as_real_backward = (
+        ex.register_operator(name, meta=meta, fn=fn) for name, (meta, fn) in fns.items()
     )
-    as_real_backward = ex.register_operator(
-        "cpu_view_as_real_backward", meta=complex_meta, fn=lambda g: torch.view_as_complex(g.contiguous())
-    )
+    # thunder's torch.compile executor may fuse them, with the complex math around them, into its regions
+    for op, (_meta, fn) in zip((as_complex, as_real, as_complex_backward, as_real_backward), fns.values()):
+        let_torch_executors_claim(
+            op, fn, owner="cpu_kernels.complex_views", reason="complex views fusible by torch.compile", kind="speedup"
+        )
 
     def view_as_complex_grad(a: Any, /) -> Any:
         out = as_complex(a)

@@ -1105,29 +1105,78 @@ def answer_requires_grad_of_computed_values() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # torch.compile regions and complex tensors
 # ---------------------------------------------------------------------------------------------------------
-def _touches_complex_tensors(bsym: Any) -> bool:
-    values = (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)
-    return any(isinstance(v, TensorProxy) and dtypes.is_complex_dtype(v.dtype) for v in values)
+def _writes_a_complex_tensor(bsym: Any) -> bool:
+    """An in-place op (thunder's ``copy_``) into a complex tensor: a region's input may be a copy (below)."""
+    return bsym.sym.id == prims.PrimIDs.COPY_ and any(
+        isinstance(v, TensorProxy) and dtypes.is_complex_dtype(v.dtype) for v in bsym.flat_proxy_args
+    )
 
 
-@installer("thunder-fix", "torch.compile executors leave ops on complex tensors out of their regions")
-def keep_complex_tensors_out_of_torch_compile_regions() -> None:
+def _complex_views_of_real_tensors(args: tuple) -> list[int]:
+    """Positions of the complex tensors in ``args`` whose storage a real tensor owns (``view_as_complex``)."""
+    return [
+        i
+        for i, a in enumerate(args)
+        if isinstance(a, torch.Tensor) and a.is_complex() and a._base is not None and not a._base.is_complex()
+    ]
+
+
+def _taking_complex_views_as_copies(compiled: Callable) -> Callable:
+    """``compiled`` (a region with complex inputs), handed a copy of each complex input that is a view of a real
+    tensor: dynamo cannot take one as an input."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any) -> Any:
+        views = _complex_views_of_real_tensors(args)
+        if views:
+            args = tuple(a.clone() if i in views else a for i, a in enumerate(args))
+        return compiled(*args)
+
+    return call
+
+
+@installer("thunder-fix", "torch.compile executors take complex tensors into their regions as dynamo can")
+def give_torch_compile_regions_whole_complex_tensors() -> None:
     """thunder's torch.compile executors compile each region with dynamo, which cannot take a complex view of a
     real tensor as an input: ``torch.compile(lambda c: c * 2)(torch.view_as_complex(torch.randn(4, 4).view(4, 2,
     2)))`` fails with ``InternalTorchDynamoError: Tensor must have a last dimension of size 2`` (torch 2.13), so
-    RoPE written with ``view_as_complex`` (torchtitan's Llama 3) fails at its first call once
-    ``torch_compile_ex`` is listed. Ops that read or make complex tensors run outside the regions, on the
-    executors after it (inductor has no complex kernels to fuse them into anyway)."""
+    RoPE written with ``view_as_complex`` (torchtitan's Llama 3) failed at its first call once
+    ``torch_compile_ex`` was listed. A region whose inputs hold a complex tensor hands dynamo a copy of each one
+    that is a view of a real tensor (none in a RoPE fused whole: its complex frequencies are a complex tensor's
+    own), so the complex ops join the regions: a Llama step is one forward and one backward graph, not three
+    each. The executors still refuse thunder's ``view_as_complex`` / ``view_as_real`` (the executor after them
+    has their gradient rules; the ops they claim them as are fusible) and writes into complex tensors (a copy
+    would lose them)."""
+    import thunder.executors.torch_compile as torch_compile_module
     from thunder.executors.torch_compile import TorchCompileExecutor
 
-    can_execute = TorchCompileExecutor.can_execute
+    can_execute, make_compiled = TorchCompileExecutor.can_execute, torch_compile_module.make_compiled
+    refused = {ltorch.view_as_complex.id, ltorch.view_as_real.id}  # type: ignore[attr-defined]
 
-    def real_tensors_only(self: Any, bsym: Any) -> bool:
-        return not _touches_complex_tensors(bsym) and can_execute(self, bsym)
+    def claiming_what_dynamo_takes(self: Any, bsym: Any) -> bool:
+        return bsym.sym.id not in refused and not _writes_a_complex_tensor(bsym) and can_execute(self, bsym)
 
+    def compiled_taking_complex_views_as_copies(
+        bsyms: Any, sorted_unique_inputs: Any, sorted_unique_outputs: Any, **kwargs: Any
+    ) -> Callable:
+        compiled = make_compiled(bsyms, sorted_unique_inputs, sorted_unique_outputs, **kwargs)
+        takes_complex = any(
+            isinstance(a, TensorProxy) and dtypes.is_complex_dtype(a.dtype) for a in sorted_unique_inputs
+        )
+        return _taking_complex_views_as_copies(compiled) if takes_complex else compiled
+
+    fix = "give_torch_compile_regions_whole_complex_tensors"
     inherited = expects_qualified("thunder.extend.Executor.can_execute", "self", "bsym")
-    scoped = switched("keep_complex_tensors_out_of_torch_compile_regions", real_tensors_only, can_execute)
-    patch(TorchCompileExecutor, "can_execute", scoped, expects=inherited)
+    claiming = switched(fix, claiming_what_dynamo_takes, can_execute)
+    patch(TorchCompileExecutor, "can_execute", claiming, expects=inherited)
+    patch(
+        torch_compile_module,
+        "make_compiled",
+        switched(fix, compiled_taking_complex_views_as_copies, make_compiled),
+        expects=expects_qualified(
+            "thunder.executors.torch_compile.make_compiled", "bsyms", "sorted_unique_inputs", "sorted_unique_outputs"
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

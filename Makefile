@@ -66,9 +66,9 @@ zoo: setup
 generate-check: setup
 	$(RUN2) scripts/generate_check.py --unsharded && $(RUN4) scripts/generate_check.py
 
-# every bench workload under thunder's torch.compile executor and with dtensor_issue_early=True, each against the
-# default thunder.jit, 2 and 4 ranks, both front ends: losses, gradients, collectives a step, inductor graphs
-# (about 10 minutes on 2 cores)
+# every bench workload under thunder's torch.compile executor, with dtensor_issue_early=True, and with both, each
+# against the default thunder.jit, 2 and 4 ranks, both front ends: losses, gradients, collectives a step, inductor
+# graphs (about 16 minutes on 2 cores)
 fusion-check: setup
 	$(RUN2) scripts/fusion_check.py && $(RUN4) scripts/fusion_check.py
 

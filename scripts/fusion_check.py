@@ -1,5 +1,6 @@
 """Whole-program inductor and early collectives (issue 44, points 1 and 4): every bench workload under thunder's
-torch.compile executor listed first (``fused``) and with ``dtensor_issue_early=True`` (``early``), against the
+torch.compile executor listed first (``fused``), with ``dtensor_issue_early=True`` (``early``) and with both
+(``fused_early``: the early order must not cut inductor's regions), against the
 default ``thunder.jit``, both front ends: the loss, every parameter's gradient (full values and placements) and
 the collectives of a training step (the collective symbols of the executed forward and backward programs, inside
 inductor's regions too: torch's ``CommDebugMode`` is a dispatch mode, which torch.compile refuses) must be the
@@ -41,6 +42,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "fused": {"executors": None},  # (filled in: thunder's torch.compile executor first)
     "early": {"dtensor_issue_early": True},
+    "fused_early": {"executors": None, "dtensor_issue_early": True},
 }
 
 
@@ -119,7 +121,7 @@ def main() -> int:
     parser.add_argument("--workloads", default="block:64,gpt:test,llama:test,fsdp:256")
     parser.add_argument("--frontends", default="jit,thunderfx")
     parser.add_argument(
-        "--variants", default="fused,early", help="of: " + ", ".join(v for v in VARIANTS if v != "default")
+        "--variants", default="fused,early,fused_early", help="of: " + ", ".join(v for v in VARIANTS if v != "default")
     )
     args = parser.parse_args()
     init_distributed()

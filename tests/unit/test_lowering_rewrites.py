@@ -209,3 +209,21 @@ def test_issue_collectives_early_moves_nothing_across_a_random_op_or_an_effect()
     bsyms = [before, draw, feeds, collective, check]
     assert program.issue_collectives_early(bsyms) == bsyms
     assert program.issue_collectives_early([before, feeds, collective]) == [feeds, collective, before]
+
+
+def test_issue_collectives_early_keeps_the_arguments_unpacked_first():
+    """A collective's inputs move ahead of other work, but not ahead of the other arguments' unpacking: an
+    unpacking between stretches of local math cut the fused forward of the test Llama into seven inductor
+    graphs (with thunder's torch.compile executor listed)."""
+    x, w, b, c = _proxies("x", "w", "b", "c")
+    all_reduce = _all_reduce_name()
+    unpack_w = _bsym("unpack_trivial", [], [w])
+    unpack_x = _bsym("unpack_trivial", [], [x])
+    feeds = _bsym("mul", [x], [b])
+    collective = _bsym(all_reduce, [b], [c])
+    assert program.issue_collectives_early([unpack_w, unpack_x, feeds, collective]) == [
+        unpack_w,
+        unpack_x,
+        feeds,
+        collective,
+    ]

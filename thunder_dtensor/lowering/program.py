@@ -154,8 +154,10 @@ def _collectives_first(stretch: list) -> list:
     if not any(issues_a_collective(b) for b in stretch):
         return stretch
     producer = {p.name: i for i, b in enumerate(stretch) for p in b.flat_proxy_outs}
-    placed = [False] * len(stretch)
-    out: list = []
+    # the program's arguments stay unpacked first, together: each unwrap moves up to its unpacking
+    # (unwrap_early), and an unpacking left between stretches of local math would cut a fusion region there
+    placed = [b.sym.name.startswith("unpack_") for b in stretch]
+    out: list = [b for b, unpacks in zip(stretch, placed) if unpacks]
     for k, bsym in enumerate(stretch):
         if not issues_a_collective(bsym):
             continue

@@ -88,6 +88,7 @@ _FAMILY_OF_MODULE = {
     "distribute": "redistribute",
     "factories": "factories",
     "losses": "losses",
+    "matmul": "matmul",
     "scalars": "values read into Python",
 }
 

@@ -352,9 +352,9 @@ def test_attention_output_stride_describes_its_local_layout(lowering):
 def test_one_dim_input_with_a_partial_result_keeps_torch_shape(op, lowering):
     """``F.linear`` / ``@`` of a 1-D DTensor whose result is Partial: torch 2.13's DTensor gives the output the
     global shape ``[1, N]`` (its local is ``[N]``; the backward then fails). The fuzzer found it (seeds 85 and
-    281); thunder_dtensor checks a fallback op's shapes against torch's and runs such a call replicated where
-    they differ: the output has torch's shape ``[N]``, right values and gradients (was: eager's ``[1, N]``).
-    torch 2.12 gives ``[N]`` itself: there the op runs as DTensor's."""
+    281). The 1-D input now gets a batch dim of one for the call (``ops/matmul.py``): torch's shape ``[N]``, right
+    values and gradients, eager's placements (the output Partial, the weight's gradient as eager's) and no
+    gather (was: the call ran replicated, an all-gather of both operands; fuzz seed 7957)."""
 
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w) if op == "linear" else x @ w.mT
@@ -365,19 +365,21 @@ def test_one_dim_input_with_a_partial_result_keeps_torch_shape(op, lowering):
     mesh = mesh_1d()
     x = distribute_tensor(full_x.detach(), mesh, [Shard(0)]).requires_grad_()
     w = distribute_tensor(full_w.detach(), mesh, [Shard(1)]).requires_grad_()
+    eager_x, eager_w = (t.detach().clone().requires_grad_() for t in (x, w))
     jitted = thunder.jit(fn, dtensor_lowering=lowering)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        warnings.simplefilter("error", ReplicatedFallbackWarning)
         out = jitted(x, w)
-    with torch.no_grad():  # eager DTensor's shape: [1, 4] on torch 2.13 and 2.14 (its bug), [4] on torch 2.12
-        eager_shape = tuple(fn(x.detach(), w.detach()).shape)
-    replicated = "_replicated_prim" in str(thunder.last_traces(jitted)[0])
-    assert replicated == (eager_shape != (4,)), f"eager gives {eager_shape}; the call ran replicated: {replicated}"
+    eager_out = fn(eager_x, eager_w)
+    assert "_replicated_prim" not in str(thunder.last_traces(jitted)[0])
     assert tuple(out.shape) == tuple(expected.shape) == (4,)
+    assert out.placements == eager_out.placements == (Partial(),)
     torch.testing.assert_close(out.full_tensor(), expected.detach())
     out.backward(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    eager_out.sum().backward()  # (eager's own backward of its [1, 4] output: the placements it gives)
     torch.testing.assert_close(x.grad.full_tensor(), full_x.grad)
     torch.testing.assert_close(w.grad.full_tensor(), full_w.grad)
+    assert (x.grad.placements, w.grad.placements) == (eager_x.grad.placements, eager_w.grad.placements)
 
 
 @pytest.mark.world_size(4)

@@ -279,13 +279,14 @@ def _scatter(emit: ViewWriteEmitter, name: str, view: BoundSymbol, index: int, b
 # ---------------------------------------------------------------------------------------------------------
 # The rewrite
 # ---------------------------------------------------------------------------------------------------------
-def _is_copy(bsym: BoundSymbol) -> bool:
+def is_copy(bsym: BoundSymbol) -> bool:
+    """thunder's ``copy_`` (the prim, the torch symbol) or ours."""
     return bsym.sym.id == prims.PrimIDs.COPY_ or bsym.sym.name in ("copy_", "dtensor_copy__prim")
 
 
 def written_destination(bsym: BoundSymbol) -> TensorProxy | None:
     """The tensor an in-place bound symbol writes (its first argument, which its last subsymbol copies into)."""
-    if not bsym.subsymbols or not _is_copy(bsym.subsymbols[-1]):
+    if not bsym.subsymbols or not is_copy(bsym.subsymbols[-1]):
         return None
     if not (bsym.sym.tags and OpTags.IN_PLACE in bsym.sym.tags) and bsym.sym.name != "copy_":
         return None

@@ -42,7 +42,7 @@ class _VectorAsOneRow:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("input", self.other_name)}
         row = dtensor_symbol_of(torch.unsqueeze)(first, 0)
         out = self.generic(row, other, *rest, **kwargs)
-        return dtensor_symbol_of(torch.squeeze)(out, -2 if self.other_name == "other" else 0)
+        return dtensor_symbol_of(torch.squeeze)(out, -2)  # the row: [1, N], or [..., 1, N] for a batched other
 
 
 register_function_for_dtensor(F.linear, _VectorAsOneRow(F.linear, "weight"))

@@ -254,14 +254,18 @@ def _register_complex_views(ex: Any) -> None:
         "cpu_view_as_complex_backward": (real_meta, lambda g: torch.view_as_real(g.contiguous().resolve_conj())),
         "cpu_view_as_real_backward": (complex_meta, lambda g: torch.view_as_complex(g.contiguous())),
     }
-    as_complex, as_real, as_complex_backward, as_real_backward = (
-        ex.register_operator(name, meta=meta, fn=fn) for name, (meta, fn) in fns.items()
-    )
-    # thunder's torch.compile executor may fuse them, with the complex math around them, into its regions
-    for op, (_meta, fn) in zip((as_complex, as_real, as_complex_backward, as_real_backward), fns.values()):
+    ops = {}
+    for name, (meta, fn) in fns.items():
+        ops[name] = ex.register_operator(name, meta=meta, fn=fn)
+        # thunder's torch.compile executor may fuse it, with the complex math around it, into its regions
         let_torch_executors_claim(
-            op, fn, owner="cpu_kernels.complex_views", reason="complex views fusible by torch.compile", kind="speedup"
+            ops[name],
+            fn,
+            owner="cpu_kernels.complex_views",
+            reason="complex views fusible by torch.compile",
+            kind="speedup",
         )
+    as_complex, as_real, as_complex_backward, as_real_backward = ops.values()
 
     def view_as_complex_grad(a: Any, /) -> Any:
         out = as_complex(a)

@@ -41,6 +41,7 @@ from thunder_dtensor._integration.bootstrap import (
 )
 from thunder_dtensor._integration.fixes.scoped_entries import add_scoped_lookaside, add_scoped_method
 from thunder_dtensor._integration.fixes.switches import EVERYWHERE, IN_DTENSOR_PROGRAMS, active, mode, switched
+from thunder_dtensor._integration.functionalize import is_copy, written_destination
 from thunder_dtensor._integration.program_scope import (
     add_program_executor,
     has_dtensor_inputs,
@@ -1106,10 +1107,9 @@ def answer_requires_grad_of_computed_values() -> None:
 # torch.compile regions and complex tensors
 # ---------------------------------------------------------------------------------------------------------
 def _writes_a_complex_tensor(bsym: Any) -> bool:
-    """An in-place op (thunder's ``copy_``) into a complex tensor: a region's input may be a copy (below)."""
-    return bsym.sym.id == prims.PrimIDs.COPY_ and any(
-        isinstance(v, TensorProxy) and dtypes.is_complex_dtype(v.dtype) for v in bsym.flat_proxy_args
-    )
+    """A ``copy_`` or an in-place op into a complex tensor: a region's input may be a copy (below)."""
+    writes = is_copy(bsym) or written_destination(bsym) is not None
+    return writes and any(isinstance(v, TensorProxy) and dtypes.is_complex_dtype(v.dtype) for v in bsym.flat_proxy_args)
 
 
 def _complex_views_of_real_tensors(args: tuple) -> list[int]:

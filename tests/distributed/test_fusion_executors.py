@@ -231,8 +231,8 @@ def _regions(trace) -> int:
 def test_thunderfx_fuses_a_lowered_backward_into_one_graph():
     """thunderfx partitions with thunder's ``dataflow`` fusion, which never fuses a symbol tagged as backward
     with an untagged one: the ops a backward dtensor prim was lowered into lost the tag, and the block's fused
-    backward was three inductor graphs around thunder's own GELU gradient. One graph each way, and the default
-    executors' values and gradients."""
+    backward was three inductor graphs around thunder's own GELU gradient. One graph each way, and eager DTensor's
+    loss, gradients and placements (as the default executors give them)."""
     from thunder.dynamo import thunderfx
     from thunder.executors.torch_compile import torch_compile_ex
     from torch.distributed.tensor.parallel import SequenceParallel
@@ -246,16 +246,22 @@ def test_thunderfx_fuses_a_lowered_backward_into_one_graph():
     }
     x = distribute_tensor(torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1)), mesh_1d(), [Shard(1)])
     results = []
-    for executors in (None, [torch_compile_ex, *thunder.get_default_executors()]):
+    for executors in ("eager", None, [torch_compile_ex, *thunder.get_default_executors()]):
         model = parallelize_module(copy.deepcopy(block), mesh_1d(), plan)
-        compiled = thunderfx(model, **({} if executors is None else {"executors": executors}))
+        if executors == "eager":
+            compiled = model
+        else:
+            compiled = thunderfx(model, **({} if executors is None else {"executors": executors}))
         loss = compiled(x).pow(2).mean()
         loss.backward()
-        results.append((full_value(loss), {n: full_value(p.grad) for n, p in model.named_parameters()}, compiled))
-    (default_loss, default_grads, _), (fused_loss, fused_grads, fused) = results
-    torch.testing.assert_close(fused_loss, default_loss)
-    for name, grad in default_grads.items():
-        torch.testing.assert_close(fused_grads[name], grad, msg=lambda m, n=name: f"{n}: {m}")
+        grads = {n: (full_value(p.grad), p.grad.placements) for n, p in model.named_parameters()}
+        results.append((full_value(loss), grads, compiled))
+    (eager_loss, eager_grads, _), (default_loss, default_grads, _), (fused_loss, fused_grads, fused) = results
+    for loss, grads in ((default_loss, default_grads), (fused_loss, fused_grads)):  # eager DTensor's, both
+        torch.testing.assert_close(loss, eager_loss)
+        for name, (grad, placements) in eager_grads.items():
+            assert grads[name][1] == placements, name
+            torch.testing.assert_close(grads[name][0], grad, msg=lambda m, n=name: f"{n}: {m}")
     (jitted,) = [fn for info in fused._backend.subgraph_infos for fn in info.thunder_compiled_fns]
     assert _regions(thunder.last_traces(jitted)[-1]) == 1
     assert _regions(thunder.last_backward_traces(jitted)[-1]) == 1, str(thunder.last_backward_traces(jitted)[-1])

@@ -88,6 +88,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.dispatch_module_calls_outside_the_interpreter()  # first-call time: hook loops run in Python
     _integration.call_partials_outside_the_interpreter()  # and the partials every TP hook calls
     _integration.run_interpreter_helpers_directly()  # and x[k], k in x, unpacking, names: no helper frames
+    _integration.make_exception_frames_without_a_busy_wait()  # an interpreted raise costs no GIL switch interval
     _integration.bind_symbols_with_cached_signatures()  # a symbol's meta signature is read once
     _integration.run_cpu_ops_with_torch_kernels()  # CPU gelu/silu/layer_norm/complex views/SDPA: torch's kernels
     _integration.make_autograd_dummies_without_random_numbers()  # per-call time: no meta randn per training call

@@ -1,6 +1,8 @@
 """Only thunder_dtensor's executors run dtensor prims, collectives and the DTensor boundary, whatever
 executors the user passes."""
 
+import copy
+
 from thunder_dtensor import DTensorProxy, dtensor_ex
 from thunder_dtensor.lowering import COLLECTIVE_SYMBOLS, dtensor_comm_ex
 from thunder_dtensor.primitive import DTENSOR_PRIMS
@@ -94,3 +96,42 @@ def test_the_autograd_bridges_dummies_skip_random_numbers_in_dtensor_programs_on
     for _ in range(2):
         plain(torch.randn(8, 4, requires_grad=True)).backward()
     assert made == [False] * 4, made
+
+
+def _raises_key_error() -> None:
+    raise KeyError("absent")
+
+
+@pytest.mark.world_size(2)
+def test_a_step_closing_over_a_sharded_module_is_a_dtensor_program_from_its_first_instruction(monkeypatch):
+    """A training step that closes over its tensor-parallel model is a DTensor program as its call starts, before
+    the trace reaches a parameter: the speed-ups act from the first instruction (here the stand-in frame of an
+    exception raised and caught before the model runs); a step closing over a plain module is a plain program."""
+    from thunder_dtensor._integration.fixes import speedups
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    made = []
+    original = speedups._stand_in_frame
+    monkeypatch.setattr(speedups, "_stand_in_frame", lambda *where: made.append(where[3]) or original(*where))
+
+    def step_of(model):
+        def step(x):
+            try:
+                _raises_key_error()
+            except KeyError:
+                pass
+            return model(x).sum()
+
+        return step
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 8)
+    sharded = parallelize_module(copy.deepcopy(plain), mesh_1d(), ColwiseParallel(use_local_output=False))
+    x = make_full((3, 4), seed=5)
+    expected = step_of(plain)(x)
+    torch.testing.assert_close(thunder.jit(step_of(plain))(x), expected)
+    assert made == []  # thunder's own frames for a plain program
+    out = thunder.jit(step_of(sharded))(x)
+    assert made and made[0] == "_raises_key_error", made
+    torch.testing.assert_close(out.full_tensor(), expected)

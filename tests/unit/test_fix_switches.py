@@ -4,6 +4,7 @@ works; switched off, thunder's behaviour again. The reproducers are the smallest
 (``test_thunder_fixes_for_models``)."""
 
 import re
+import traceback
 
 from thunder_dtensor import _integration, fixes
 from thunder_dtensor.errors import DataDependentValueError
@@ -108,6 +109,33 @@ def test_a_silent_branch_on_a_run_time_number_is_refused_only_where_switched_on(
     with fixes.enabled("refuse_branches_on_run_time_numbers", everywhere=True):
         with pytest.raises(DataDependentValueError, match="a trace cannot take a branch on it"):
             thunder.jit(program)(x)
+
+
+def _fails_inside(x):
+    raise ValueError("raised inside the jitted program")
+
+
+def _calls_a_failing_function(x):
+    return _fails_inside(x) + 1
+
+
+def test_stand_in_frames_of_exceptions_read_as_thunders():
+    """``make_exception_frames_without_a_busy_wait``: the traceback of an exception raised inside a jitted
+    program names the same functions, files and lines as with thunder's own frames, call after call (one
+    stand-in frame per place is kept)."""
+
+    def where_it_raised() -> list[tuple[str, str, int | None]]:
+        with pytest.raises(ValueError, match="raised inside the jitted program") as raised:
+            thunder.jit(_calls_a_failing_function)(torch.ones(2))
+        return [(f.name, f.filename, f.lineno) for f in traceback.extract_tb(raised.value.__traceback__)]
+
+    thunders = where_it_raised()  # a plain program: thunder's own frames
+    with fixes.enabled("make_exception_frames_without_a_busy_wait", everywhere=True):
+        ours, again = where_it_raised(), where_it_raised()
+    assert ours == thunders == again
+    lines = {name: line for name, _, line in ours}
+    assert lines["_fails_inside"] == _fails_inside.__code__.co_firstlineno + 1
+    assert lines["_calls_a_failing_function"] == _calls_a_failing_function.__code__.co_firstlineno + 1
 
 
 def test_switches_name_their_fixes():

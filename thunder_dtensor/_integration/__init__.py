@@ -62,7 +62,9 @@ What is patched, and why:
   torch's CPU flash kernel: an executor first among thunder's default ones (``run_cpu_ops_with_torch_kernels``).
 * thunder's interpreter runs ``x[k]``, ``k in x``, unpacking, global name lookups, bound-method calls and the
   merges of ``*args`` / ``**kwargs`` calls on exact builtin containers without interpreting its own helper
-  functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time);
+  functions, and disassembles each code object once (``run_interpreter_helpers_directly``: first-call time); an
+  exception leaving an interpreted frame gets its traceback's frame without a busy wait
+  (``make_exception_frames_without_a_busy_wait``);
   ``Symbol.bind`` reads each meta's signature once (``bind_symbols_with_cached_signatures``); thunder's
   autograd bridge makes its meta dummy tensors with ``empty`` (``make_autograd_dummies_without_random_numbers``).
 
@@ -196,6 +198,7 @@ from thunder_dtensor._integration.fixes.speedups import (
     call_partials_outside_the_interpreter,
     dispatch_module_calls_outside_the_interpreter,
     make_autograd_dummies_without_random_numbers,
+    make_exception_frames_without_a_busy_wait,
     run_interpreter_helpers_directly,
     thunders_own_interpreter_paths,
 )
@@ -499,6 +502,7 @@ __all__ += [
     "keep_saved_tensors_from_in_place_writes",
     "make_autograd_dummies_without_random_numbers",
     "make_dtensor_choices_alike_on_every_rank",
+    "make_exception_frames_without_a_busy_wait",
     "make_isinstance_see_dtensor_proxies",
     "make_placements_opaque",
     "name_opaque_arguments_of_traced_functions",

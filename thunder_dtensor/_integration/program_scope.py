@@ -1,7 +1,7 @@
 """Which programs are DTensor programs: the scope of everything this package changes in thunder.
 
 A program is a DTensor program when the call being compiled has a DTensor among its arguments, is a module
-with DTensor parameters or buffers (tensor parallelism, FSDP2), is called inside torch's ``context_parallel``
+with DTensor parameters or buffers (tensor parallelism, FSDP2) or a function whose closure holds one, is called inside torch's ``context_parallel``
 (its attention makes DTensors), runs inside a thunderfx call that does, or traced a DTensor (its executors
 list then holds the dtensor executors). DTensor machinery and, by default, the thunder fixes of
 :mod:`thunder_dtensor._integration.fixes` act within such programs only; every other program compiles as
@@ -112,10 +112,28 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
+def _module_holds_dtensors(module: torch.nn.Module) -> bool:
+    """DTensor parameters or buffers, or FSDP2 modules: their parameters are plain tensors while unsharded,
+    between a forward and its backward, which a pipeline schedule's micro-batches straddle."""
+    if any(_is_dtensor(t) for t in (*module.parameters(), *module.buffers())):
+        return True
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _captured(fn: types.FunctionType) -> Iterator[Any]:
+    """What ``fn``'s closure holds (a step function closing over its model)."""
+    for cell in fn.__closure__ or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+
+
 def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
-    """A DTensor among ``args`` / ``kwargs``, or ``fn`` a module with DTensor parameters or buffers, or with FSDP2
-    modules in it: their parameters are plain tensors while unsharded, between a forward and its backward, which
-    a pipeline schedule's micro-batches straddle."""
+    """A DTensor among ``args`` / ``kwargs``, or ``fn`` a module that holds DTensors (or FSDP2 modules), or a
+    function whose closure holds a DTensor or such a module."""
     if not torch.distributed.is_available():
         return False
     if context_parallel_dispatch_enabled():  # inside torch's context_parallel: its attention makes DTensors
@@ -125,18 +143,18 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
         return True
     module = getattr(fn, "_model", fn)  # a ThunderModule's user module
     if isinstance(module, torch.nn.Module):
-        if any(_is_dtensor(t) for t in (*module.parameters(), *module.buffers())):
-            return True
-        from torch.distributed.fsdp import FSDPModule
-
-        return any(isinstance(m, FSDPModule) for m in module.modules())
+        return _module_holds_dtensors(module)
+    if isinstance(fn, types.FunctionType):
+        return any(
+            _is_dtensor(v) or (isinstance(v, torch.nn.Module) and _module_holds_dtensors(v)) for v in _captured(fn)
+        )
     return False
 
 
 def holds_dtensors(values: tuple) -> bool:
     """A DTensor among ``values``, or a module among them with DTensor parameters or buffers."""
     return has_dtensor_inputs(None, values, {}) or any(
-        isinstance(v, torch.nn.Module) and has_dtensor_inputs(v, (), {}) for v in values
+        isinstance(v, torch.nn.Module) and _module_holds_dtensors(v) for v in values
     )
 
 

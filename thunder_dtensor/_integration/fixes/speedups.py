@@ -4,6 +4,7 @@ bridge's dummies made without random numbers. torch's CPU kernels are ``cpu_kern
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dis
 import functools
@@ -404,6 +405,59 @@ def run_interpreter_helpers_directly() -> None:
     patch(interpreter, "globals_lookup", globals_lookup, expects=expects_function(module, "globals_dict", "name"))
     patch(interpreter, "_call_dispatch", call_dispatch, expects=expects_function(module, "compilectx", "runtimectx"))
     patch(interpreter, "dis", _dis_disassembling_once_per_code(), expects=expects_identical(dis))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stand_in_frame(filename: str, firstlineno: int, lineno: int, name: str, qualname: str) -> types.FrameType:
+    """A finished Python frame that reads as function ``qualname`` of ``filename`` at line ``lineno``: made by
+    raising on that line in a code object named so, on a helper thread (its ``f_back`` is not the caller's) that
+    the caller waits for on a lock. The frame holds no state of the interpreted call, so one serves every
+    exception at the same place."""
+    source = "\n" * max(lineno - firstlineno, 0) + "raise RuntimeError"
+    code = compile(source, filename, "exec").replace(co_firstlineno=firstlineno, co_name=name, co_qualname=qualname)
+    made: list[types.FrameType] = []
+    done = _thread.allocate_lock()
+    done.acquire()
+
+    def raise_there() -> None:
+        try:
+            exec(code, {})
+        except RuntimeError as error:
+            tb = error.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            if tb is not None:
+                made.append(tb.tb_frame)
+        finally:
+            done.release()
+
+    _thread.start_new_thread(raise_there, ())
+    done.acquire()
+    return made[0]
+
+
+@installer("speedup", "an exception leaving an interpreted frame gets its stand-in Python frame without a busy wait")
+def make_exception_frames_without_a_busy_wait() -> None:
+    """thunder 0.2.6 gives an exception that leaves an interpreted frame a real Python frame for its traceback,
+    made on a new thread that the interpreter waits for in a loop holding the GIL, so each one takes a GIL switch
+    interval (5 ms): a third of a one-layer Hugging Face model's first call, whose code raises and catches a few
+    hundred exceptions (``getattr`` defaults, ``try`` / ``except`` lookups). :func:`_stand_in_frame` makes the
+    same frame, waiting on a lock, once per place."""
+    from thunder.core import interpreter
+
+    frame_class = interpreter.InterpreterFrame
+    thunders = frame_class.get_or_make_python_frame
+
+    def stand_in(frame: Any) -> types.FrameType:
+        code = frame.code
+        lineno = frame.positions.lineno if frame.positions is not None else None
+        return _stand_in_frame(
+            code.co_filename, code.co_firstlineno, lineno or code.co_firstlineno, code.co_name, frame.qualname
+        )
+
+    expects = expects_function("thunder.core.interpreter", "self")
+    replacement = switched("make_exception_frames_without_a_busy_wait", stand_in, thunders)
+    patch(frame_class, "get_or_make_python_frame", replacement, expects=expects)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Which programs are DTensor programs: the scope of everything this package changes in thunder.
 
 A program is a DTensor program when the call being compiled has a DTensor among its arguments, is a module
-with DTensor parameters or buffers (tensor parallelism, FSDP2) or a function whose closure holds one, is called inside torch's ``context_parallel``
-(its attention makes DTensors), runs inside a thunderfx call that does, or traced a DTensor (its executors
-list then holds the dtensor executors). DTensor machinery and, by default, the thunder fixes of
+with DTensor parameters or buffers (tensor parallelism, FSDP2) or a function whose closure holds one, is
+called inside torch's ``context_parallel`` (its attention makes DTensors), runs inside a thunderfx call that
+does, or traced a DTensor (its executors list then holds the dtensor executors). DTensor machinery and, by default, the thunder fixes of
 :mod:`thunder_dtensor._integration.fixes` act within such programs only; every other program compiles as
 thunder alone compiles it.
 

@@ -3,9 +3,9 @@
 A program is a DTensor program when the call being compiled has a DTensor among its arguments, is a module
 with DTensor parameters or buffers (tensor parallelism, FSDP2) or a function whose closure holds one, is
 called inside torch's ``context_parallel`` (its attention makes DTensors), runs inside a thunderfx call that
-does, or traced a DTensor (its executors list then holds the dtensor executors). DTensor machinery and, by default, the thunder fixes of
-:mod:`thunder_dtensor._integration.fixes` act within such programs only; every other program compiles as
-thunder alone compiles it.
+does, or traced a DTensor (its executors list then holds the dtensor executors). DTensor machinery and, by
+default, the thunder fixes of :mod:`thunder_dtensor._integration.fixes` act within such programs only; every
+other program compiles as thunder alone compiles it.
 
 The answer for a call is computed when something first asks during that call's compilation (a call that hits
 thunder's cache asks nothing) and kept for the rest of the call.

@@ -153,3 +153,6 @@ if DISTRIBUTED_AVAILABLE:
 # a write into a view of a plain tensor that requires grad gets eager's gradients (installed after the alias
 # pass's DTensor wrapper, which rewrites DTensor writes the same way, so that it wraps that one)
 _integration.functionalize_writes_into_views_that_require_grad()
+# thunderfx: a write into a graph input that then requires grad runs in torch, not in a thunder region that would
+# lose its gradient (installed after the DTensor splitter's wrapper, so that it asks before any cached answer)
+_integration.run_writes_into_graph_inputs_in_torch()

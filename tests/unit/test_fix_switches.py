@@ -138,6 +138,44 @@ def test_stand_in_frames_of_exceptions_read_as_thunders():
     assert lines["_calls_a_failing_function"] == _calls_a_failing_function.__code__.co_firstlineno + 1
 
 
+@torch.library.custom_op("thunder_dtensor_tests::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_twice.register_fake(torch.empty_like)
+_twice.register_autograd(lambda ctx, grad: grad * 2)
+
+
+def _add_into_a_split_out_result(x, b):
+    out = torch.ops.thunder_dtensor_tests.twice(x)  # no thunder mapping: thunderfx runs it in torch
+    out.add_(b)  # so the thunder region after it takes `out` as an input and writes into it
+    return (out * out).sum()
+
+
+def test_a_write_into_a_thunderfx_region_input_is_run_in_torch_only_where_switched_on():
+    """``run_writes_into_graph_inputs_in_torch``: thunderfx splits out the custom op, and the region after it
+    writes ``b`` into its input in place; thunder's region cannot give that input the write's autograd history,
+    so ``x``'s gradient misses the write (Hugging Face's GPT-OSS experts). With the fix the write runs in torch.
+    ``thunderfx_graphs`` (the DTensor programs' splitter, switched on everywhere) lets plain thunderfx split this
+    graph at all (thunder 0.2.6 alone fails on it: ``object of type 'MappingKeysView' has no len()``)."""
+    from thunder.dynamo import thunderfx
+
+    x, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    expected = torch.autograd.grad(_add_into_a_split_out_result(x, b), (x, b))
+
+    def gradients(*names: str) -> tuple[torch.Tensor, ...]:
+        torch._dynamo.reset()
+        with fixes.enabled("thunderfx_graphs", *names, everywhere=True):
+            return torch.autograd.grad(thunderfx(_add_into_a_split_out_result)(x, b), (x, b))
+
+    wrong_x, right_b = gradients()
+    assert not torch.allclose(wrong_x, expected[0]), "thunder alone no longer loses the write's gradient"
+    torch.testing.assert_close(right_b, expected[1])
+    for actual, wanted in zip(gradients("run_writes_into_graph_inputs_in_torch"), expected):
+        torch.testing.assert_close(actual, wanted)
+
+
 def test_switches_name_their_fixes():
     listing = fixes.listing()
     assert {kind for kind, _, _ in listing.values()} == {"dtensor", "thunder-fix", "speedup"}

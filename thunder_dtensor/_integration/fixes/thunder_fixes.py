@@ -1326,3 +1326,120 @@ def no_gradient_in_no_gradient_out() -> None:
         staticmethod(backward_without_gradient),
         expects=expects_qualified(f"{bridge}.backward", "ctx"),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thunderfx's splitter (thunder 0.2.6 ``thunder/dynamo``): in-place writes into a graph's inputs
+# ---------------------------------------------------------------------------------------------------------
+def _written_in_place(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose tensor ``node`` writes in place (``x.add_(...)``, ``torch.Tensor.index_add_(x, ...)``,
+    ``x[i] = v``), or None."""
+    import operator
+
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function":
+        if node.target is operator.setitem:
+            name = "setitem_"
+        else:
+            schema = getattr(node.target, "_schema", None)
+            name = schema.name.split("::")[-1] if schema is not None else getattr(node.target, "__name__", "")
+    else:
+        return None
+    if not (name.endswith("_") and not name.endswith("__")) or not node.args:
+        return None
+    written = node.args[0]
+    return written if isinstance(written, torch.fx.Node) else None
+
+
+def _example_tensor(node: torch.fx.Node) -> torch.Tensor | None:
+    value = node.meta.get("example_value")
+    value = getattr(value, "_local_tensor", value)  # a DTensor's local stand-in shares its storage
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _placeholders(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return list(node.graph.find_nodes(op="placeholder"))
+
+
+def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that made the storage ``node``'s tensor is a view of (``node`` itself if it made it)."""
+    current = node
+    while True:
+        tensor = _example_tensor(current)
+        parent = next(
+            (
+                arg
+                for arg in current.all_input_nodes
+                if tensor is not None
+                and (source := _example_tensor(arg)) is not None
+                and torch._C._is_alias_of(tensor, source)  # type: ignore[attr-defined]  # (not in torch's stubs)
+            ),
+            None,
+        )
+        if parent is None:
+            return current
+        current = parent
+
+
+def write_from_outside_its_region(node: torch.fx.Node, supported: Callable[[torch.fx.Node], bool]) -> str | None:
+    """Why ``node`` must run outside thunder: it writes in place into a tensor that requires grad afterwards and
+    that its thunder region would take as an input (a graph input, or one made before a node thunderfx splits out,
+    ``supported(n)`` False); else None."""
+    written = _written_in_place(node)
+    value = None if written is None else written.meta.get("example_value")
+    if written is None or not isinstance(value, torch.Tensor) or not value.requires_grad:  # (a DTensor's own flag)
+        return None
+    root = _storage_root(written)
+    where = None
+    if root.op == "placeholder":
+        where = f"the graph input {root.name}"
+    else:
+        between = root
+        while between is not node and where is None:
+            if between.op.startswith("call_") and not supported(between):
+                where = f"{root.name}, " + ("which" if between is root else f"made before {between.name}, which")
+                where += " runs outside thunder"
+            between = between.next
+    if where is None:
+        return None
+    return (
+        f"{node.format_node()} writes in place into {where}, which then requires grad: a thunder region cannot give "
+        "its input the autograd history of a write (the gradient through it would be lost); the write runs in torch"
+    )
+
+
+@installer("thunder-fix", "thunderfx: an in-place write into a graph input that then requires grad runs in torch")
+def run_writes_into_graph_inputs_in_torch() -> None:
+    """thunderfx hands a graph that writes in place into one of its inputs (a tensor made before a graph break:
+    ``out = torch.zeros_like(x)``, break, ``out.index_add_(0, idx, y)``) to thunder, whose region is an autograd
+    Function: it copies the new value into the input, but the input cannot take the write's autograd history, so
+    the gradient through the write is lost, silently (Hugging Face's GPT-OSS experts under thunderfx: every
+    gradient below the last MoE layer wrong, relative norm 0.4-1: ``out.add_(bias)`` into the output of a torch
+    custom op that thunderfx split out; ``out.add_(x * 2)`` after a graph break returns a tensor without a
+    gradient). Where this acts, such a write (its tensor requires grad afterwards, and it was made outside the
+    write's thunder region: a graph input, or before a node that runs outside thunder) is split out of thunder's
+    region with a reason, and torch's compiler, which replays input mutations under autograd, runs it.
+    Installed after the DTensor splitter's own wrapper, so that it asks before any cached answer."""
+    import thunder.dynamo.splitter as fx_splitter
+    import thunder.dynamo.utils as fx_utils
+
+    fix = "run_writes_into_graph_inputs_in_torch"
+    node_check = expects_function(("thunder.dynamo", "thunder_dtensor"), "node")
+    for module in (fx_utils, fx_splitter):
+        asks_thunder = module.is_node_supported_by_thunder
+
+        def supported(node: torch.fx.Node, options: dict, _asks_thunder: Callable = asks_thunder) -> Any:
+            written = _written_in_place(node)
+            # a DTensor program: the call's (see program_scope), or a graph with a DTensor among its inputs
+            if written is not None and active(fix, *(p.meta.get("example_value") for p in _placeholders(node))):
+                graph_module = cast(torch.fx.GraphModule, node.graph.owning_module)
+                outside = fx_splitter.get_nodes_in_unsupported_ctx_regions(graph_module)
+                reason = write_from_outside_its_region(
+                    node, lambda n: n not in outside and _asks_thunder(n, options)[0]
+                )
+                if reason is not None:
+                    return False, fx_utils.SplitReason(fx_utils.SplitReasonType.UNSUPPORTED_NODE, info=reason)
+            return _asks_thunder(node, options)
+
+        patch(module, "is_node_supported_by_thunder", supported, expects=node_check)

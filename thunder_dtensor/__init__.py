@@ -156,3 +156,5 @@ _integration.functionalize_writes_into_views_that_require_grad()
 # thunderfx: a write into a graph input that then requires grad runs in torch, not in a thunder region that would
 # lose its gradient (installed after the DTensor splitter's wrapper, so that it asks before any cached answer)
 _integration.run_writes_into_graph_inputs_in_torch()
+# x.max(dim=-1).values, torch.topk(...).indices: torch's named results (outermost of the interpreter's lookaside)
+_integration.name_the_fields_of_paired_results()

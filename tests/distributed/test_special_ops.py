@@ -151,3 +151,18 @@ def test_sdpa_kernel_choice_is_checked_for_dtensor_attention():
         attention_under(SDPBackend.EFFICIENT_ATTENTION)(q, k, v)
     with pytest.raises(SDPABackendError, match="SDPBackend.EFFICIENT_ATTENTION"):
         thunder.jit(attention_under(SDPBackend.EFFICIENT_ATTENTION))(q, k, v)
+
+
+def _named_results(x):
+    """An attention-sink softmax and an MoE router on a DTensor: fields read by name (``name_the_fields_of_paired_
+    results``; thunder alone raises ``AttributeError: values``)."""
+    shifted = x - x.max(dim=-1, keepdim=True).values
+    top = torch.topk(shifted, 2, dim=-1)
+    ordered, order = torch.sort(x, dim=-1)
+    return shifted.exp() * 2 + ordered * 3 + order + top.indices.sum(-1, keepdim=True) + x.max(-1, True).indices
+
+
+@pytest.mark.parametrize("placements", [[Shard(0)], [Replicate()]], ids=str)
+def test_named_results_of_max_topk_and_sort_on_dtensors(placements):
+    case = DTensorCase(_named_results, [make_full((4, 6), seed=3)], [placements])
+    run_case(case, assert_comms=COMMS_ASSERTED)

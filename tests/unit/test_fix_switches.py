@@ -29,6 +29,7 @@ FAILING_WITHOUT = {
     "take_python_types_as_tensor_dtypes": (reproducers._index_of_python_int_type, "had an unexpected type"),
     "take_grouped_query_attention_in_sdpa": (reproducers._grouped_query_attention, "unexpected keyword argument"),
     "skip_empty_vectors_in_cat": (reproducers._append_to_an_empty_cache, "Expected dimension in inclusive range"),
+    "name_the_fields_of_paired_results": (reproducers._read_named_results, "values"),
 }
 if not _integration.FUNCTION_APPLY_IS_BUILTIN:  # (torch >= 2.14 fails earlier, at any custom Function)
     FAILING_WITHOUT["name_opaque_arguments_of_traced_functions"] = (

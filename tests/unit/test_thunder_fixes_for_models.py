@@ -87,6 +87,17 @@ def _index_of_python_int_type(x: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, torch.tensor([-1], dtype=int) + x.shape[0])
 
 
+def _read_named_results(x: torch.Tensor) -> torch.Tensor:
+    """An attention-sink softmax and an MoE router: ``x.max(dim=-1, keepdim=True).values``, ``torch.topk(...)
+    .indices``, and the tuple uses that named results keep (indexing, unpacking). (thunder's own gradient of
+    ``topk(...).values`` and ``max(x, dim).values`` reduced to a number fails: "expand: ...", with or without
+    names.)"""
+    shifted = x - x.max(dim=-1, keepdim=True).values
+    top = torch.topk(shifted, 2, dim=-1)
+    ordered, order = x.sort(dim=0)
+    return shifted.exp() * 2 + top.indices.sum() + top[1].sum() + ordered * order + torch.max(x, 1).indices.sum()
+
+
 def _grouped_query_attention(x: torch.Tensor) -> torch.Tensor:
     """Four query heads over two kv heads (transformers' SDPA without a mask)."""
     q, k, v = x.view(1, 4, 1, 3), x[:2].reshape(1, 2, 1, 3), x[2:].reshape(1, 2, 1, 3) * 2
@@ -336,6 +347,10 @@ def test_a_python_type_as_a_tensor_dtype():
     assert_jit_matches_eager(_index_of_python_int_type, (4, 3))
 
 
+def test_named_results_of_max_topk_and_sort_forward_and_backward():
+    assert_jit_matches_eager(_read_named_results, (4, 3))
+
+
 def test_grouped_query_attention_forward_and_backward():
     assert_jit_matches_eager(_grouped_query_attention, (4, 3))
 
@@ -394,7 +409,7 @@ for name in (
     "_make_a_sequence", "_set_then_reset", "_meta_stride", "_register_a_hook", "_named_parameters",
     "_swap_a_parameter_and_restore_it", "_custom_function_given_an_object", "_call_a_custom_op", "_chain_arguments",
     "_append_to_an_empty_cache", "_slice_longer_than_the_dim", "_index_of_python_int_type",
-    "_grouped_query_attention",
+    "_grouped_query_attention", "_read_named_results",
 ):
     try:
         thunder.jit(getattr(t, name))(torch.randn(4, 3))
@@ -441,6 +456,7 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     assert "start=-7 is not a valid index for length 4" in errors["_slice_longer_than_the_dim"]
     assert "<class 'int'> had an unexpected type" in errors["_index_of_python_int_type"]
     assert "unexpected keyword argument 'enable_gqa'" in errors["_grouped_query_attention"]
+    assert errors["_read_named_results"] == "AttributeError: values"
     assert errors["_fill_a_lazy_cache"] == "lost"  # silently: keys, length and ready were not written back
     assert "trying to set .collected" in errors["_set_then_reset"]
     assert "Unknown attribute stride" in errors["_meta_stride"]

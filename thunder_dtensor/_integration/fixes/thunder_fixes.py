@@ -1443,3 +1443,67 @@ def run_writes_into_graph_inputs_in_torch() -> None:
             return _asks_thunder(node, options)
 
         patch(module, "is_node_supported_by_thunder", supported, expects=node_check)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch's named results (``torch.return_types``): ``x.max(dim=-1).values``
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "max(dim) / topk / sort / frexp give torch's named results (.values, .indices)")
+def name_the_fields_of_paired_results() -> None:
+    """thunder 0.2.6 gives ``torch.max(x, dim)``, ``torch.topk``, ``torch.sort`` and ``torch.frexp`` (and their
+    Tensor methods) as plain tuples, so ``x.max(dim=-1, keepdim=True).values`` raises ``AttributeError: values``:
+    every Hugging Face MoE router or attention-sink softmax that reads ``.values`` / ``.indices`` (GPT-OSS,
+    MiMo-V2-Flash, DeepSeek-V3.2, ...). Where this acts, the interpreter hands the program torch's named result
+    (``torch.return_types.max`` ...) around the same proxies: fields by name, indexing and unpacking as before.
+    The outermost wrapper of the interpreter's lookaside (installed last), so that a DTensor call's result is
+    named too."""
+    import thunder.torch as ltorch
+    from thunder.core import interpreter, jit_ext
+
+    fix = "name_the_fields_of_paired_results"
+    named = {
+        "max": (torch.max, torch.Tensor.max, ltorch.torch_max, torch.return_types.max),
+        "topk": (torch.topk, torch.Tensor.topk, ltorch.topk, torch.return_types.topk),
+        "sort": (torch.sort, torch.Tensor.sort, ltorch.sort, torch.return_types.sort),
+        "frexp": (torch.frexp, torch.Tensor.frexp, ltorch.frexp, torch.return_types.frexp),
+    }
+    result_types: dict[Any, Any] = {fn: entry[-1] for entry in named.values() for fn in entry[:-1]}
+    original_lookaside = jit_ext.general_jit_lookaside
+    raised = interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED
+
+    def naming(inner: Callable, result_type: Any) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = inner(*args, **kwargs)
+            value = interpreter.unwrap(result) if result is not raised else None
+            if type(value) is not tuple or len(value) != result_type.n_fields:
+                return result  # an exception, or max's one-tensor overloads
+            record = interpreter.ProvenanceRecord(interpreter.PseudoInst.OPAQUE, inputs=[result.provenance])
+            return interpreter.wrap(result_type(value), provenance=record)
+
+        return call
+
+    def lookaside(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = original_lookaside(fn, *args, **kwargs)
+        try:
+            result_type = result_types.get(fn)
+        except TypeError:  # an unhashable callable
+            result_type = None
+        if result_type is None or inner is None or not active(fix):
+            return inner
+        return naming(inner, result_type)
+
+    expects = expects_function(("thunder.core.jit_ext", "thunder_dtensor"), "fn")  # thunder's, or a wrapper of it
+    patch(jit_ext, "general_jit_lookaside", lookaside, expects=expects)
+
+    from thunder.torch.langctx import TorchCtx
+
+    original_get_method = TorchCtx.get_method
+
+    def get_method(self: Any, id: str, *args: Any, **kwargs: Any) -> Callable:
+        method = original_get_method(self, id, *args, **kwargs)
+        if id in named and method not in result_types:  # a DTensor's method: the dtensor callable that runs it
+            result_types[method] = named[id][-1]
+        return method
+
+    expects = expects_function(("thunder.torch.langctx", "thunder_dtensor"), "self", "id")
+    patch(TorchCtx, "get_method", get_method, expects=expects)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -141,9 +142,13 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     if any(_is_dtensor(v) for v in leaves):
         return True
-    module = getattr(fn, "_model", fn)  # a ThunderModule's user module
+    # a ThunderModule's user module, torch.compile's module (thunderfx's) or a function's own (its wrapper's)
+    fn = getattr(fn, "_orig_mod", fn)
+    module = getattr(fn, "_model", fn)
     if isinstance(module, torch.nn.Module):
         return _module_holds_dtensors(module)
+    if callable(fn):
+        fn = inspect.unwrap(fn)
     if isinstance(fn, types.FunctionType):
         return any(
             _is_dtensor(v) or (isinstance(v, torch.nn.Module) and _module_holds_dtensors(v)) for v in _captured(fn)

@@ -145,8 +145,9 @@ def install_thunderfx_support(
       DTensor prims, which this package removes. torch >= 2.13 graphs call ``DTensor.from_local``,
       ``.redistribute`` and ``.to_local`` directly, and the dispatch table covers those.
     * Example-input metadata (kept for thunderfx's reports) passes the device mesh through as it is.
-    * Each graph module is compiled to Python before ``thunder.jit`` sees it: fx's lazy code generation,
-      run inside thunder's interpreter, fails on a mesh argument.
+    * Each graph module (and each graph submodule of it) is compiled to Python before ``thunder.jit`` sees it:
+      fx's lazy code generation, run inside thunder's interpreter, fails on a mesh argument and on its own
+      ``dict.keys()`` (``object of type 'MappingKeysView' has no len()``).
     * DTensor's sharding-propagation cache is cleared once a graph is split: see ``splitter``.
     * The regions it hands to inductor are compiled without torch's AOTAutograd cache: see
       ``_compiled_for_this_rank``.
@@ -188,7 +189,9 @@ def install_thunderfx_support(
 
     def splitter(gm: torch.fx.GraphModule, thunder_jit: Callable, *args: Any, **kwargs: Any) -> Any:
         def jit_compiled_graph(graph_module: torch.fx.GraphModule, **options: Any) -> Any:
-            fx_utils.recompile_graph(graph_module)
+            for module in graph_module.modules():  # its own code and its graph submodules' (a checkpoint's body)
+                if isinstance(module, torch.fx.GraphModule):
+                    fx_utils.recompile_graph(module)
             if options.get("is_differentiable_outputs") is not None:
                 options["is_differentiable_outputs"] = _differentiable_outputs(
                     graph_module, options["is_differentiable_outputs"]

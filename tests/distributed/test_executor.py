@@ -135,3 +135,8 @@ def test_a_step_closing_over_a_sharded_module_is_a_dtensor_program_from_its_firs
     out = thunder.jit(step_of(sharded))(x)
     assert made and made[0] == "_raises_key_error", made
     torch.testing.assert_close(out.full_tensor(), expected)
+    # thunderfx's function is torch.compile's wrapper of the step: the closure is the wrapped function's
+    from thunder_dtensor._integration.program_scope import has_dtensor_inputs
+
+    assert has_dtensor_inputs(torch.compile(step_of(sharded)), (x,), {})
+    assert not has_dtensor_inputs(torch.compile(step_of(plain)), (x,), {})

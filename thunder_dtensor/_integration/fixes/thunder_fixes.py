@@ -19,6 +19,7 @@ from __future__ import annotations
 # ---------------------------------------------------------------------------------------------------------
 import cmath  # noqa: E402
 import functools
+import operator
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -1331,16 +1332,36 @@ def no_gradient_in_no_gradient_out() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # thunderfx's splitter (thunder 0.2.6 ``thunder/dynamo``): in-place writes into a graph's inputs
 # ---------------------------------------------------------------------------------------------------------
+#: ``x[i] = v``, ``x += y``, ...: dynamo records these as calls of ``operator``'s functions
+_IN_PLACE_OPERATORS = frozenset(
+    getattr(operator, name)
+    for name in (
+        "setitem",
+        "iadd",
+        "isub",
+        "imul",
+        "itruediv",
+        "ifloordiv",
+        "imod",
+        "ipow",
+        "imatmul",
+        "iand",
+        "ior",
+        "ixor",
+        "ilshift",
+        "irshift",
+    )
+)
+
+
 def _written_in_place(node: torch.fx.Node) -> torch.fx.Node | None:
     """The node whose tensor ``node`` writes in place (``x.add_(...)``, ``torch.Tensor.index_add_(x, ...)``,
-    ``x[i] = v``), or None."""
-    import operator
-
+    ``x[i] = v``, ``x += y``), or None."""
     if node.op == "call_method":
         name = str(node.target)
     elif node.op == "call_function":
-        if node.target is operator.setitem:
-            name = "setitem_"
+        if node.target in _IN_PLACE_OPERATORS:
+            name = "operator_"
         else:
             schema = getattr(node.target, "_schema", None)
             name = schema.name.split("::")[-1] if schema is not None else getattr(node.target, "__name__", "")

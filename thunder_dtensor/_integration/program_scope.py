@@ -13,6 +13,7 @@ thunder's cache asks nothing) and kept for the rest of the call.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -148,7 +149,8 @@ def has_dtensor_inputs(fn: Any, args: tuple, kwargs: dict) -> bool:
     if isinstance(module, torch.nn.Module):
         return _module_holds_dtensors(module)
     if callable(fn):
-        fn = inspect.unwrap(fn)
+        with contextlib.suppress(ValueError):  # (a cycle of __wrapped__)
+            fn = inspect.unwrap(fn)
     if isinstance(fn, types.FunctionType):
         return any(
             _is_dtensor(v) or (isinstance(v, torch.nn.Module) and _module_holds_dtensors(v)) for v in _captured(fn)

@@ -18,6 +18,7 @@ from __future__ import annotations
 # complex; programs on real tensors keep thunder's rules and traces exactly.
 # ---------------------------------------------------------------------------------------------------------
 import cmath  # noqa: E402
+import contextlib
 import functools
 import operator
 import types
@@ -1430,6 +1431,14 @@ def write_from_outside_its_region(node: torch.fx.Node, supported: Callable[[torc
     )
 
 
+@functools.lru_cache(maxsize=2)  # the graph being split
+def _nodes_in_unsupported_contexts(graph: torch.fx.Graph) -> Any:
+    """The nodes thunderfx's splitter sends to torch for their context (autocast regions, ...), once per graph."""
+    import thunder.dynamo.splitter as fx_splitter
+
+    return fx_splitter.get_nodes_in_unsupported_ctx_regions(cast(torch.fx.GraphModule, graph.owning_module))
+
+
 @installer("thunder-fix", "thunderfx: an in-place write into a graph input that then requires grad runs in torch")
 def run_writes_into_graph_inputs_in_torch() -> None:
     """thunderfx hands a graph that writes in place into one of its inputs (a tensor made before a graph break:
@@ -1454,8 +1463,7 @@ def run_writes_into_graph_inputs_in_torch() -> None:
             written = _written_in_place(node)
             # a DTensor program: the call's (see program_scope), or a graph with a DTensor among its inputs
             if written is not None and active(fix, *(p.meta.get("example_value") for p in _placeholders(node))):
-                graph_module = cast(torch.fx.GraphModule, node.graph.owning_module)
-                outside = fx_splitter.get_nodes_in_unsupported_ctx_regions(graph_module)
+                outside = _nodes_in_unsupported_contexts(node.graph)
                 reason = write_from_outside_its_region(
                     node, lambda n: n not in outside and _asks_thunder(n, options)[0]
                 )
@@ -1522,8 +1530,9 @@ def name_the_fields_of_paired_results() -> None:
 
     def get_method(self: Any, id: str, *args: Any, **kwargs: Any) -> Callable:
         method = original_get_method(self, id, *args, **kwargs)
-        if id in named and method not in result_types:  # a DTensor's method: the dtensor callable that runs it
-            result_types[method] = named[id][-1]
+        if id in named:  # a DTensor's method: the dtensor callable that runs it
+            with contextlib.suppress(TypeError):  # (an unhashable callable)
+                result_types.setdefault(method, named[id][-1])
         return method
 
     expects = expects_function(("thunder.torch.langctx", "thunder_dtensor"), "self", "id")

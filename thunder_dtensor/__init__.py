@@ -35,6 +35,7 @@ _integration.run_torch_custom_ops()  # torch.ops.ns.op(...) of a torch.library.c
 _integration.answer_requires_grad_of_computed_values()  # x.view(-1).requires_grad is True, as in eager
 _integration.give_torch_compile_regions_whole_complex_tensors()  # dynamo cannot take a complex view as input
 _integration.no_gradient_in_no_gradient_out()  # thunderfx: an unread graph output does not give zero gradients
+_integration.take_autograd_function_apply_without_a_tensor_mask()  # thunderfx: torch 2.13's custom Functions
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import dispatch, guards, ops

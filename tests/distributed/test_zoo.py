@@ -1,11 +1,11 @@
 """The model zoo's CI subset: transformers' own tensor parallelism (``from_pretrained(..., distributed_config=
 DistributedConfig(tp_plan="auto"))``) on tiny configs of architectures chosen for the mechanisms they cover, under
-``thunder.jit`` (and thunderfx for Gemma2 and GPT-OSS), against the one-process model (plain torch): 2 SGD steps
-on a batch that contains the pad id, the loss, the logits and every gradient (elementwise and by relative norm).
-``make zoo`` (``scripts/zoo.py``) runs every architecture under both front ends, and greedy ``generate()``; this
-file keeps the suite's time: one layer each, the one-process reference computed once per architecture for all
-front ends. Tiny configs are written locally (no downloads); the file skips without the ``hf`` extra (``pip
-install -e ".[hf]"``)."""
+``thunder.jit`` (and thunderfx for Gemma2, GPT-OSS and GLM-4-MoE-Lite), against the one-process model (plain
+torch): 2 SGD steps on a batch that contains the pad id, the loss, the logits and every gradient (elementwise and
+by relative norm). ``make zoo`` (``scripts/zoo.py``) runs every architecture under both front ends, and greedy
+``generate()``; this file keeps the suite's time: one layer each, the one-process reference computed once per
+architecture for all front ends. Tiny configs are written locally (no downloads); the file skips without the
+``hf`` extra (``pip install -e ".[hf]"``)."""
 
 from __future__ import annotations
 
@@ -57,8 +57,10 @@ ONE_LAYER: dict[str, dict[str, Any]] = {
 # gemma2: the scaled vocab-parallel embedding, whose placements thunderfx's graph must see as eager's. gpt_oss (not
 # under thunder.jit: its router's `topk(...).values` fails in thunder itself): the experts' grouped-mm custom op is
 # split out of thunder's region and the bias is added in place into its result, a write thunder's region would lose
-# the gradient of (`run_writes_into_graph_inputs_in_torch`)
-THUNDERFX_ARCHS = ("gemma2", "gpt_oss")
+# the gradient of (`run_writes_into_graph_inputs_in_torch`). glm4_moe_lite: MLA attention, whose TP plan calls a
+# custom autograd.Function (torch 2.13's dynamo form: `take_autograd_function_apply_without_a_tensor_mask`) and
+# copies into views of a new tensor made outside thunder's region (the views are made in torch too)
+THUNDERFX_ARCHS = ("gemma2", "gpt_oss", "glm4_moe_lite")
 
 
 # Known failures of ours, open while others fix them: (arch, front end) -> reason. strict: a fix turns them red.

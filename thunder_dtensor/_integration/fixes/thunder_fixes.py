@@ -1431,6 +1431,23 @@ def write_from_outside_its_region(node: torch.fx.Node, supported: Callable[[torc
     )
 
 
+def _aliases_an_input(node: torch.fx.Node) -> bool:
+    tensor = _example_tensor(node)
+    return tensor is not None and any(
+        (source := _example_tensor(arg)) is not None and torch._C._is_alias_of(tensor, source)  # type: ignore[attr-defined]
+        for arg in node.all_input_nodes
+    )
+
+
+def _writers_through_views(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
+    """The in-place writes into ``node``'s tensor, directly or through views of it made after it."""
+    for user in node.users:
+        if _written_in_place(user) is node:
+            yield user
+        elif _aliases_an_input(user):
+            yield from _writers_through_views(user)
+
+
 @functools.lru_cache(maxsize=2)  # the graph being split
 def _nodes_in_unsupported_contexts(graph: torch.fx.Graph) -> Any:
     """The nodes thunderfx's splitter sends to torch for their context (autocast regions, ...), once per graph."""
@@ -1461,14 +1478,20 @@ def run_writes_into_graph_inputs_in_torch() -> None:
 
         def supported(node: torch.fx.Node, options: dict, _asks_thunder: Callable = asks_thunder) -> Any:
             written = _written_in_place(node)
+            # the view a split-out write writes through is made in torch too: torch refuses a write into a view
+            # that a thunder region (which runs without grad) gave back
+            writers = [node] if written is not None else list(_writers_through_views(node))
             # a DTensor program: the call's (see program_scope), or a graph with a DTensor among its inputs
-            if written is not None and active(fix, *(p.meta.get("example_value") for p in _placeholders(node))):
+            if writers and active(fix, *(p.meta.get("example_value") for p in _placeholders(node))):
                 outside = _nodes_in_unsupported_contexts(node.graph)
-                reason = write_from_outside_its_region(
-                    node, lambda n: n not in outside and _asks_thunder(n, options)[0]
-                )
-                if reason is not None:
-                    return False, fx_utils.SplitReason(fx_utils.SplitReasonType.UNSUPPORTED_NODE, info=reason)
+                for writer in writers:
+                    reason = write_from_outside_its_region(
+                        writer, lambda n: n is node or (n not in outside and _asks_thunder(n, options)[0])
+                    )
+                    if reason is not None:
+                        if writer is not node:
+                            reason = f"{node.name} is a view that a write split out of thunder writes into: {reason}"
+                        return False, fx_utils.SplitReason(fx_utils.SplitReasonType.UNSUPPORTED_NODE, info=reason)
             return _asks_thunder(node, options)
 
         patch(module, "is_node_supported_by_thunder", supported, expects=node_check)
@@ -1537,3 +1560,60 @@ def name_the_fields_of_paired_results() -> None:
 
     expects = expects_function(("thunder.torch.langctx", "thunder_dtensor"), "self", "id")
     patch(TorchCtx, "get_method", get_method, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dynamo's custom autograd.Function (``torch.ops.higher_order.autograd_function_apply``), torch >= 2.13 form
+# ---------------------------------------------------------------------------------------------------------
+def _dropping_the_context(graph_module: Any) -> Callable:
+    """``graph_module`` called as thunder's lookaside calls a Function's body: with a leading context argument."""
+
+    forward = graph_module.forward  # (not ``graph_module(...)``: module-call machinery that reads its code)
+
+    def body(ctx: Any, *args: Any) -> Any:
+        return forward(*args)
+
+    return body
+
+
+@installer("thunder-fix", "thunderfx: a custom autograd.Function in a dynamo graph of torch >= 2.13 is traced")
+def take_autograd_function_apply_without_a_tensor_mask() -> None:
+    """thunder 0.2.6 reads a custom ``autograd.Function`` in a dynamo graph (``torch.ops.higher_order.
+    autograd_function_apply(fwd, bwd, *args, **kwargs)``) in torch's older form: an ``args_tensor_mask``
+    keyword, and forward and backward bodies that take a context first. torch 2.13's dynamo records
+    ``non_differentiable_idx`` and ``saved_for_backward_idx`` instead, and bodies without the context, so
+    thunderfx failed on every graph with such a Function (``KeyError: 'args_tensor_mask'``): the MLA attention
+    of DeepSeek-V2/V3/V3.2, AXK1/2 and dots3 under transformers' tensor parallelism. Where this acts, the newer
+    form is handed to thunder's lookaside as the older one: every argument kept, each body called without the
+    context it is given, and a lone output given back as the one-tuple the newer graph indexes. A Function that
+    marks an input dirty (``dirty_idx``) is refused with a clear error."""
+    from thunder.core import interpreter, jit_ext
+
+    fix = "take_autograd_function_apply_without_a_tensor_mask"
+    apply_op = torch.ops.higher_order.autograd_function_apply
+    lookasides = jit_ext._general_jit_lookaside_map
+    thunders = lookasides[apply_op]
+    wrap_const, unwrap = interpreter.wrap_const, interpreter.unwrap
+
+    def older_form(fwd: Any, bwd: Any, *fwd_args: Any, **fwd_kwargs: Any) -> Any:
+        if "args_tensor_mask" in fwd_kwargs:
+            return thunders(fwd, bwd, *fwd_args, **fwd_kwargs)
+        if unwrap(fwd_kwargs.get("dirty_idx", wrap_const([]))):
+            return interpreter.do_raise(
+                NotImplementedError(
+                    "autograd_function_apply: a custom autograd.Function that marks an input dirty "
+                    "(ctx.mark_dirty) is not supported by thunder; hint: return a new tensor instead of writing "
+                    "into an input"
+                )
+            )
+        kwargs = {**fwd_kwargs, "args_tensor_mask": wrap_const([True] * len(fwd_args))}
+        fwd, bwd = (wrap_const(_dropping_the_context(unwrap(body))) for body in (fwd, bwd))
+        result = thunders(fwd, bwd, *fwd_args, **kwargs)
+        if result is interpreter.INTERPRETER_SIGNALS.EXCEPTION_RAISED or isinstance(unwrap(result), tuple):
+            return result
+        # thunder's op returns a lone output bare; the newer form's graph reads the outputs as a tuple
+        record = interpreter.ProvenanceRecord(interpreter.PseudoInst.OPAQUE, inputs=[result.provenance])
+        return interpreter.wrap((unwrap(result),), provenance=record)
+
+    expects = expects_qualified("thunder.core.jit_ext._general_jit_torch_ops_higher_order_autograd_function_apply")
+    patch(lookasides, apply_op, switched(fix, older_form, thunders), table=JIT_LOOKASIDES, expects=expects)

@@ -4,7 +4,6 @@ bridge's dummies made without random numbers. torch's CPU kernels are ``cpu_kern
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import dis
 import functools
@@ -408,32 +407,26 @@ def run_interpreter_helpers_directly() -> None:
 
 
 @functools.lru_cache(maxsize=4096)
+def _stand_in(filename: str, firstlineno: int, lineno: int, name: str, qualname: str) -> tuple[Any, types.FrameType]:
+    """A Python frame that reads as function ``qualname`` of ``filename`` at line ``lineno``: the frame of a
+    generator named so, suspended at a ``yield`` on that line (a suspended frame has no ``f_back``), kept with its
+    generator. No thread: thunder's helper thread ran its teardown beside the interpreter. The frame holds no
+    state of the interpreted call, so one serves every exception at the same place."""
+    if lineno <= firstlineno:
+        source = "def stand_in(): yield\n"
+    else:
+        source = "def stand_in():\n" + "\n" * (lineno - firstlineno - 1) + "    yield\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, filename, "exec"), namespace)
+    fn = namespace["stand_in"]
+    fn.__code__ = fn.__code__.replace(co_firstlineno=firstlineno, co_name=name, co_qualname=qualname)
+    generator = fn()
+    next(generator)
+    return generator, generator.gi_frame
+
+
 def _stand_in_frame(filename: str, firstlineno: int, lineno: int, name: str, qualname: str) -> types.FrameType:
-    """A finished Python frame that reads as function ``qualname`` of ``filename`` at line ``lineno``: made by
-    raising on that line in a code object named so, on a helper thread (its ``f_back`` is not the caller's) that
-    the caller waits for on a lock. The frame holds no state of the interpreted call, so one serves every
-    exception at the same place."""
-    source = "\n" * max(lineno - firstlineno, 0) + "raise RuntimeError"
-    code = compile(source, filename, "exec").replace(co_firstlineno=firstlineno, co_name=name, co_qualname=qualname)
-    made: list[types.FrameType] = []
-    done = _thread.allocate_lock()
-    done.acquire()
-
-    def raise_there() -> None:
-        try:
-            exec(code, {})
-        except RuntimeError as error:
-            tb = error.__traceback__
-            while tb is not None and tb.tb_next is not None:
-                tb = tb.tb_next
-            if tb is not None:
-                made.append(tb.tb_frame)
-        finally:
-            done.release()
-
-    _thread.start_new_thread(raise_there, ())
-    done.acquire()
-    return made[0]
+    return _stand_in(filename, firstlineno, lineno, name, qualname)[1]
 
 
 @installer("speedup", "an exception leaving an interpreted frame gets its stand-in Python frame without a busy wait")
@@ -441,8 +434,8 @@ def make_exception_frames_without_a_busy_wait() -> None:
     """thunder 0.2.6 gives an exception that leaves an interpreted frame a real Python frame for its traceback,
     made on a new thread that the interpreter waits for in a loop holding the GIL, so each one takes a GIL switch
     interval (5 ms): a third of a one-layer Hugging Face model's first call, whose code raises and catches a few
-    hundred exceptions (``getattr`` defaults, ``try`` / ``except`` lookups). :func:`_stand_in_frame` makes the
-    same frame, waiting on a lock, once per place."""
+    hundred exceptions (``getattr`` defaults, ``try`` / ``except`` lookups). :func:`_stand_in` makes a frame
+    that reads the same (file, function, line) without a thread, once per place."""
     from thunder.core import interpreter
 
     frame_class = interpreter.InterpreterFrame

@@ -123,3 +123,12 @@ def test_the_checks_catch_a_dropped_padding_idx(zoo_dir):
     model.model.embed_tokens.padding_idx = None
     with zoo.quiet(), pytest.raises(zoo.Mismatch, match=r"step 0: grad model\.embed_tokens\.weight: relative norm"):
         zoo.check_training(model, "eager", zoo.make_batch(), reference)
+
+
+@pytest.mark.world_size(2)
+def test_a_tiny_model_that_cannot_be_made_fails_on_every_rank(zoo_dir):
+    """Rank 0 makes the tiny model; where transformers refuses it, every rank raises (the others used to wait at
+    a barrier until the collective timeout, which ended a zoo run)."""
+    with pytest.raises(Exception, match="no_such_architecture"):  # rank 0 its own error, the others a RemoteError
+        zoo.save_tiny("no_such_architecture", os.path.join(zoo_dir, "none"))
+    dist.barrier()  # every rank got here

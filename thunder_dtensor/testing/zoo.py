@@ -794,13 +794,19 @@ def _reused_device_meshes() -> Iterator[None]:
 
 
 def save_tiny(model_type: str, path: str, overrides: dict[str, Any] | None = None) -> None:
-    """Rank 0 writes the seeded tiny model of ``model_type`` to ``path`` (which every rank reads)."""
+    """Rank 0 writes the seeded tiny model of ``model_type`` to ``path`` (which every rank reads); where it fails
+    (a config transformers refuses), every rank raises its error (a barrier alone left the others waiting for
+    it until the collective timeout, which ended a zoo run)."""
+    error = None
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(tiny_config(model_type, overrides)).save_pretrained(path)
-    dist.barrier()
+        try:
+            AutoModelForCausalLM.from_config(tiny_config(model_type, overrides)).save_pretrained(path)
+        except Exception as failed:
+            error = failed
+    _agree(error, f"saving the tiny {model_type}")
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ _integration.answer_requires_grad_of_computed_values()  # x.view(-1).requires_gr
 _integration.give_torch_compile_regions_whole_complex_tensors()  # dynamo cannot take a complex view as input
 _integration.no_gradient_in_no_gradient_out()  # thunderfx: an unread graph output does not give zero gradients
 _integration.take_autograd_function_apply_without_a_tensor_mask()  # thunderfx: torch 2.13's custom Functions
+_integration.read_dict_items_past_an_overriding_getitem()  # ACT2FN[name](x): a dict subclass's own __getitem__
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import dispatch, guards, ops

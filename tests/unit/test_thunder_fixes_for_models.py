@@ -87,6 +87,21 @@ def _index_of_python_int_type(x: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, torch.tensor([-1], dtype=int) + x.shape[0])
 
 
+class _ActivationsByName(dict):
+    """transformers' ``ACT2FN``: a dict subclass whose ``__getitem__`` makes the module of the stored class."""
+
+    def __getitem__(self, name):
+        return super().__getitem__(name)()
+
+
+_ACTIVATIONS = _ActivationsByName(silu=torch.nn.SiLU, gelu=torch.nn.GELU)
+
+
+def _pick_an_activation_by_name(x: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's gated norm, Jamba's mixer: ``ACT2FN[config.hidden_act](x)`` inside the forward."""
+    return _ACTIVATIONS["silu"](x) * _ACTIVATIONS["gelu"](x)
+
+
 def _read_named_results(x: torch.Tensor) -> torch.Tensor:
     """An attention-sink softmax and an MoE router: ``x.max(dim=-1, keepdim=True).values``, ``torch.topk(...)
     .indices``, and the tuple uses that named results keep (indexing, unpacking). (thunder's own gradient of
@@ -347,6 +362,10 @@ def test_a_python_type_as_a_tensor_dtype():
     assert_jit_matches_eager(_index_of_python_int_type, (4, 3))
 
 
+def test_an_activation_picked_by_name_from_a_dict_subclass():
+    assert_jit_matches_eager(_pick_an_activation_by_name, (4, 3))
+
+
 def test_named_results_of_max_topk_and_sort_forward_and_backward():
     assert_jit_matches_eager(_read_named_results, (4, 3))
 
@@ -409,7 +428,7 @@ for name in (
     "_make_a_sequence", "_set_then_reset", "_meta_stride", "_register_a_hook", "_named_parameters",
     "_swap_a_parameter_and_restore_it", "_custom_function_given_an_object", "_call_a_custom_op", "_chain_arguments",
     "_append_to_an_empty_cache", "_slice_longer_than_the_dim", "_index_of_python_int_type",
-    "_grouped_query_attention", "_read_named_results",
+    "_grouped_query_attention", "_read_named_results", "_pick_an_activation_by_name",
 ):
     try:
         thunder.jit(getattr(t, name))(torch.randn(4, 3))
@@ -457,6 +476,7 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     assert "<class 'int'> had an unexpected type" in errors["_index_of_python_int_type"]
     assert "unexpected keyword argument 'enable_gqa'" in errors["_grouped_query_attention"]
     assert errors["_read_named_results"] == "AttributeError: values"
+    assert "missing 1 required positional argument" in errors["_pick_an_activation_by_name"]
     assert errors["_fill_a_lazy_cache"] == "lost"  # silently: keys, length and ready were not written back
     assert "trying to set .collected" in errors["_set_then_reset"]
     assert "Unknown attribute stride" in errors["_meta_stride"]

@@ -45,6 +45,7 @@ def patch_kind_enabled(kind: str) -> bool:
 #: names of thunder's tables that patches replace entries of (``patch(..., table=...)``)
 JIT_LOOKASIDES = "thunder.core.jit_ext._general_jit_lookaside_map"
 INTERPRETER_LOOKASIDES = "thunder.core.interpreter._default_lookaside_map"
+PROVENANCE_LOOKASIDES = "thunder.core.interpreter._default_provenance_tracking_lookaside_map"
 OPCODE_HANDLERS = "thunder.core.interpreter._default_opcode_handler_map"
 GRAD_RULES = "thunder.core.transforms._grad_fn_map"
 BACKWARD_IMPLS = "thunder.core.transforms.backward_impls"

@@ -55,6 +55,7 @@ from thunder_dtensor._integration.registry import (
     BACKWARD_IMPLS,
     GRAD_RULES,
     JIT_LOOKASIDES,
+    PROVENANCE_LOOKASIDES,
     expects_absent,
     expects_function,
     expects_qualified,
@@ -1617,3 +1618,38 @@ def take_autograd_function_apply_without_a_tensor_mask() -> None:
 
     expects = expects_qualified("thunder.core.jit_ext._general_jit_torch_ops_higher_order_autograd_function_apply")
     patch(lookasides, apply_op, switched(fix, older_form, thunders), table=JIT_LOOKASIDES, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dict.__getitem__ of a dict subclass that overrides it (transformers' ACT2FN)
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "super().__getitem__(key) in a dict subclass's own __getitem__ reads the dict's item")
+def read_dict_items_past_an_overriding_getitem() -> None:
+    """thunder 0.2.6 interprets ``dict.__getitem__`` on a wrapped mapping as ``mapping[key]``, which runs the
+    subclass's own ``__getitem__`` again: transformers' ``ACT2FN`` (a ``ClassInstantier``, whose ``__getitem__``
+    returns ``super().__getitem__(key)`` instantiated) gave a new module where the stored class was expected
+    ("value for silu out of sync", or the module called without its input): every model that picks its
+    activation with ``ACT2FN[name](x)`` inside its forward (Qwen3-Next, Jamba, Bamba, Falcon-H1, ... : 12 of the
+    zoo's 21 ``thunder.jit`` failures). Where this acts, the item is read with ``dict.__getitem__`` itself (which,
+    as CPython's, still asks a subclass's ``__missing__``)."""
+    from thunder.core import interpreter
+
+    lookasides = interpreter._default_provenance_tracking_lookaside_map
+    thunders = cast(Callable, lookasides[dict.__getitem__])
+
+    def getitem(self: Any, key: Any) -> Any:
+        mapping = self.value
+        if not isinstance(mapping, dict) or type(mapping).__getitem__ is dict.__getitem__:
+            return thunders(self, key)
+        try:
+            stored = dict.__getitem__(mapping, key.value)
+        except Exception as e:
+            return interpreter.do_raise(e)
+        from thunder.core.proxies import Proxy
+
+        interpreter.populate_single_dict_item_wrapper(stored, self, key if isinstance(key.value, Proxy) else key.value)
+        return self.item_wrappers[key.value]
+
+    expects = expects_qualified("thunder.core.interpreter.MutMappingWrapperMethods.__getitem__", "self", "key")
+    replacement = switched("read_dict_items_past_an_overriding_getitem", getitem, thunders)
+    patch(lookasides, dict.__getitem__, replacement, table=PROVENANCE_LOOKASIDES, expects=expects)

@@ -1361,12 +1361,11 @@ def _written_in_place(node: torch.fx.Node) -> torch.fx.Node | None:
     ``x[i] = v``, ``x += y``), or None."""
     if node.op == "call_method":
         name = str(node.target)
+    elif node.op == "call_function" and node.target not in _IN_PLACE_OPERATORS:
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name.split("::")[-1] if schema is not None else getattr(node.target, "__name__", "")
     elif node.op == "call_function":
-        if node.target in _IN_PLACE_OPERATORS:
-            name = "operator_"
-        else:
-            schema = getattr(node.target, "_schema", None)
-            name = schema.name.split("::")[-1] if schema is not None else getattr(node.target, "__name__", "")
+        name = getattr(node.target, "__name__", "") + "_"  # (``setitem``, ``iadd``, ...: in place by what they are)
     else:
         return None
     if not (name.endswith("_") and not name.endswith("__")) or not node.args:
@@ -1385,24 +1384,27 @@ def _placeholders(node: torch.fx.Node) -> list[torch.fx.Node]:
     return list(node.graph.find_nodes(op="placeholder"))
 
 
+def _viewed_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input of ``node`` whose tensor ``node``'s tensor shares storage with (``node`` made a view of it, or
+    wrote into it), or None."""
+    tensor = _example_tensor(node)
+    if tensor is None:
+        return None
+    return next(
+        (
+            arg
+            for arg in node.all_input_nodes
+            if (source := _example_tensor(arg)) is not None and torch._C._is_alias_of(tensor, source)  # type: ignore[attr-defined]  # (not in torch's stubs)
+        ),
+        None,
+    )
+
+
 def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node that made the storage ``node``'s tensor is a view of (``node`` itself if it made it)."""
-    current = node
-    while True:
-        tensor = _example_tensor(current)
-        parent = next(
-            (
-                arg
-                for arg in current.all_input_nodes
-                if tensor is not None
-                and (source := _example_tensor(arg)) is not None
-                and torch._C._is_alias_of(tensor, source)  # type: ignore[attr-defined]  # (not in torch's stubs)
-            ),
-            None,
-        )
-        if parent is None:
-            return current
-        current = parent
+    while (parent := _viewed_input(node)) is not None:
+        node = parent
+    return node
 
 
 def write_from_outside_its_region(node: torch.fx.Node, supported: Callable[[torch.fx.Node], bool]) -> str | None:
@@ -1432,20 +1434,12 @@ def write_from_outside_its_region(node: torch.fx.Node, supported: Callable[[torc
     )
 
 
-def _aliases_an_input(node: torch.fx.Node) -> bool:
-    tensor = _example_tensor(node)
-    return tensor is not None and any(
-        (source := _example_tensor(arg)) is not None and torch._C._is_alias_of(tensor, source)  # type: ignore[attr-defined]
-        for arg in node.all_input_nodes
-    )
-
-
 def _writers_through_views(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
     """The in-place writes into ``node``'s tensor, directly or through views of it made after it."""
     for user in node.users:
         if _written_in_place(user) is node:
             yield user
-        elif _aliases_an_input(user):
+        elif _viewed_input(user) is not None:
             yield from _writers_through_views(user)
 
 

@@ -37,6 +37,7 @@ _integration.give_torch_compile_regions_whole_complex_tensors()  # dynamo cannot
 _integration.no_gradient_in_no_gradient_out()  # thunderfx: an unread graph output does not give zero gradients
 _integration.take_autograd_function_apply_without_a_tensor_mask()  # thunderfx: torch 2.13's custom Functions
 _integration.read_dict_items_past_an_overriding_getitem()  # ACT2FN[name](x): a dict subclass's own __getitem__
+_integration.sum_the_gradients_of_broadcast_cpu_scalars()  # x.sum() * x on CPU: the scalar's gradient is summed
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import dispatch, guards, ops

@@ -377,8 +377,8 @@ def make_cotangent_proxy(a: Any) -> DTensorProxy | None:
 # each op on those placements: other gradient placements, other collectives. Redistributing the cotangent to
 # the traced placements would give eager's values with a collective eager does not issue. Instead the joint
 # (forward + backward) trace is taken again with the cotangents' actual specs, its specs re-propagated and
-# compiled as thunder.jit compiled it; its forward must be the one that ran (the same symbols, matched
-# name by name), so its backward reads the values that forward saved. Each such backward is kept, by the
+# compiled as thunder.jit compiled it; its forward must be the one that ran (the same symbols on the same
+# values, in any order), so its backward reads the values that forward saved. Each such backward is kept, by the
 # cotangents' placements, for the program's later calls.
 
 
@@ -406,33 +406,70 @@ def _is_joint(trace: ti.TraceCtx) -> bool:
 _NOT_COMPARED = {ti.prims.PrimIDs.DEL, ti.prims.PrimIDs.RETURN, ti.prims.PrimIDs.COMMENT}
 
 
+def _same_value(x: Any, y: Any) -> bool:
+    try:
+        return type(x) is type(y) and bool(x == y)
+    except Exception:
+        return False
+
+
 def _forward_names(ran: ti.TraceCtx, again: ti.TraceCtx) -> dict[str, str] | None:
-    """``again``'s proxy names -> ``ran``'s, where the two forward traces compute the same, symbol by symbol
-    (deletions aside); None where they differ."""
+    """``again``'s proxy names -> ``ran``'s, where the two forward traces compute the same: each symbol of
+    ``again`` is matched to one of ``ran`` with the same name, the same non-proxy arguments and inputs that are
+    matched values (deletions aside); None where some symbol has no match.
+
+    Matched by dataflow, not position: the two compiles may schedule independent symbols in another order (a
+    thunderfx region's forward did, when its backward was traced for other cotangent placements)."""
     first = [b for b in cast(list[ti.BoundSymbol], ran.bound_symbols) if b.sym.id not in _NOT_COMPARED]
     second = [b for b in cast(list[ti.BoundSymbol], again.bound_symbols) if b.sym.id not in _NOT_COMPARED]
     if len(first) != len(second):
         return None
-    names: dict[str, str] = {}
-    ran_names: dict[str, str] = {}  # and back: the correspondence is one to one
-    for a, b in zip(first, second):
-        if a.sym.name != b.sym.name:
-            return None
-        flat_a, flat_b = [*a.flat_args, *a.flat_outs], [*b.flat_args, *b.flat_outs]
-        if len(flat_a) != len(flat_b):
-            return None
+    # the inputs by position; every other value by the symbol that makes it
+    ran_inputs = [x for x in ti.tree_flatten((ran.args, ran.kwargs))[0] if isinstance(x, ti.Proxy)]
+    again_inputs = [y for y in ti.tree_flatten((again.args, again.kwargs))[0] if isinstance(y, ti.Proxy)]
+    if len(ran_inputs) != len(again_inputs):
+        return None
+    names = {y.name: x.name for x, y in zip(ran_inputs, again_inputs)}
+    ran_names = {x.name: y.name for x, y in zip(ran_inputs, again_inputs)}  # and back: one to one
+    if len(names) != len(ran_names):
+        return None
+
+    def pairing(flat_a: list, flat_b: list) -> list[tuple[str, str]] | None:
+        """The name pairs matching ``flat_b`` to ``flat_a`` adds (consistent with those made), or None."""
+        new: dict[str, str] = {}
+        new_back: dict[str, str] = {}
         for x, y in zip(flat_a, flat_b):
-            if isinstance(x, ti.Proxy) or isinstance(y, ti.Proxy):
-                if not (isinstance(x, ti.Proxy) and isinstance(y, ti.Proxy)):
-                    return None
-                if names.setdefault(y.name, x.name) != x.name or ran_names.setdefault(x.name, y.name) != y.name:
+            if not (isinstance(x, ti.Proxy) and isinstance(y, ti.Proxy)):
+                if isinstance(x, ti.Proxy) or isinstance(y, ti.Proxy) or not _same_value(x, y):
                     return None
                 continue
-            try:
-                if type(x) is not type(y) or not bool(x == y):
-                    return None
-            except Exception:
+            if names.get(y.name, new.get(y.name, x.name)) != x.name:
                 return None
+            if ran_names.get(x.name, new_back.get(x.name, y.name)) != y.name:
+                return None
+            new[y.name], new_back[x.name] = x.name, y.name
+        return list(new.items())
+
+    unmatched: dict[str, list[ti.BoundSymbol]] = {}
+    for a in first:
+        unmatched.setdefault(a.sym.name, []).append(a)
+
+    def first_match(candidates: list[ti.BoundSymbol], flat_b: list) -> tuple[int, list[tuple[str, str]]] | None:
+        for k, a in enumerate(candidates):
+            flat_a = [*a.flat_args, *a.flat_outs]
+            pairs = pairing(flat_a, flat_b) if len(flat_a) == len(flat_b) else None
+            if pairs is not None:
+                return k, pairs
+        return None
+
+    for b in second:
+        candidates = unmatched.get(b.sym.name, [])
+        match = first_match(candidates, [*b.flat_args, *b.flat_outs])
+        if match is None:
+            return None
+        del candidates[match[0]]
+        for again_name, ran_name in match[1]:
+            names[again_name], ran_names[ran_name] = ran_name, again_name
     return names
 
 
@@ -474,7 +511,7 @@ class BackwardForCotangentPlacements:
         backward_trace: ti.TraceCtx,
         forward_trace: ti.TraceCtx,
         joint: ti.TraceCtx,
-        compile_context: tuple[Any, Any],
+        compile_context: tuple[Any, Any, dict | None],
         backward_traces: list,
     ) -> None:
         self.backward_fn = backward_fn
@@ -485,7 +522,7 @@ class BackwardForCotangentPlacements:
         self.saved_other = [getattr(p, "name", None) for p in _unpacked(backward_trace, "C1") or ()]
         self.forward_trace = forward_trace
         self.joint = joint
-        cd, cs = compile_context
+        cd, cs, self._cache_info = compile_context
         # weakly: the compile data holds the cache that holds this backward
         self._compile_data, self._compile_stats = weakref.ref(cd), (None if cs is None else weakref.ref(cs))
         self.backward_traces = backward_traces
@@ -526,7 +563,7 @@ class BackwardForCotangentPlacements:
             ti.check(cd is not None, lambda: "the jitted function's compile data is gone")
             cs = None if self._compile_stats is None else self._compile_stats()
             joint = joint_for_cotangent_specs(self.joint, specs)
-            forward, backward = ti.compile_joint_trace(joint, cd, cs)
+            forward, backward = ti.compile_joint_trace(joint, cd, cs, self._cache_info)
             ti.check(backward is not None, lambda: "the joint trace has no backward")
             names = _forward_names(self.forward_trace, forward)
             ti.check(names is not None, lambda: "its forward is not the forward that ran")
@@ -577,5 +614,5 @@ def backward_for_cotangent_placements(entry: Any) -> Callable | None:
     if joint is None or forward is None or cd is None:
         return None
     return BackwardForCotangentPlacements(
-        entry.backward_fn, backward_trace, forward, joint, (cd, cs), entry.backward_traces
+        entry.backward_fn, backward_trace, forward, joint, (cd, cs, ti.current_cache_info()), entry.backward_traces
     )

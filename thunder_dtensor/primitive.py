@@ -568,6 +568,31 @@ def _is_differentiable(x: Any) -> bool:
     return isinstance(x, ti.TensorProxy) and ti.dtypes.is_inexact_dtype(x.dtype)
 
 
+def _is_program_input(proxy: Any) -> bool:
+    """Whether ``proxy`` is an argument of the program being differentiated (the joint trace keeps its args)."""
+    trace = ti.get_tracectx()
+    flat = ti.tree_flatten((trace.args, trace.kwargs))[0] if trace is not None else ()
+    return any(isinstance(a, ti.Proxy) and a.name == proxy.name for a in flat)
+
+
+def put_gradient(operand: Any, grad: Any) -> None:
+    """Give a dtensor prim's operand its gradient (``prims.put_grad``), the one place the rules hand them over.
+
+    A plain tensor (a 0-dim one: DTensor takes it as a scalar) gets a DTensor gradient, as in eager DTensor's
+    backward (a ``Partial(sum)`` one for a scale multiplied into a sharded value). Where that plain tensor is a
+    program input, the DTensor gradient is its ``.grad``, as eager's. Where a plain op made it (``s.exp()``),
+    thunder's grad rule of that op takes the gradient as a plain tensor of the operand's kind: it gets the
+    gradient's full value (the Partial sum reduced), so the plain ops' backward runs on plain tensors.
+    """
+    if isinstance(grad, DTensorProxy) and not isinstance(operand, DTensorProxy) and not _is_program_input(operand):
+        from thunder_dtensor.dispatch import dtensor_callable_for  # (the dispatcher imports this module)
+
+        full_tensor = dtensor_callable_for(ti.DTensor.full_tensor)
+        ti.check(full_tensor is not None, lambda: "DTensor.full_tensor has no dtensor symbol registered")
+        grad = cast(Callable, full_tensor)(grad)
+    ti.put_grad(operand, grad)
+
+
 def _cotangent_or_none(out: Any) -> Any:
     if isinstance(out, ti.TensorProxy) and ti.dtypes.is_inexact_dtype(out.dtype):
         return ti.get_grad(out)
@@ -727,7 +752,7 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
             _undefined_gradients(*(c for c in cotangents if c is not None))
         for i, grad in zip(diff_indices, grads):
             if grad is not None:
-                ti.put_grad(flat_inputs[i], grad)
+                put_gradient(flat_inputs[i], grad)
         return out
 
     ti.register_grad(prim, grad_rule)
@@ -819,7 +844,7 @@ def define_vjp(
             grads = vjp(g, out, *args, **kwargs)
             for arg, grad in zip(args, grads):
                 if isinstance(arg, ti.TensorProxy) and grad is not None:
-                    ti.put_grad(arg, grad)
+                    put_gradient(arg, grad)
             return out
 
         ti.register_grad(prim, grad_rule)

@@ -6,6 +6,8 @@ compiled function called on two data sets; any difference fails the test with th
 distinct failure. ``make fuzz`` (``scripts/fuzz.py``) runs many more seeds.
 """
 
+import dataclasses
+
 import thunder_dtensor.testing.fuzz as fuzz_module
 from thunder_dtensor.testing import mesh_1d, world_size
 from thunder_dtensor.testing.fuzz import (
@@ -190,3 +192,18 @@ def test_the_documented_mean_loss_rewrite_is_no_placement_failure():
     assert program.kinds[-1] == "cross_entropy" and 'reduction="mean"' in program.steps[-1].line
     result = run_program(program)
     assert result.outcome == "passed", result.failures
+
+
+@pytest.mark.world_size(2)
+def test_an_output_placed_as_torch_compile_places_it_is_triaged_as_torch_s():
+    """Seed 8443 under thunderfx: ``F.dropout(y, p=0.0)`` of a ``Partial`` value is ``Replicate`` in dynamo's fake
+    run (and under ``torch.compile(backend="aot_eager")``), ``Partial`` in eager; thunderfx runs that node as
+    torch.compile does. The fuzzer reports the mismatch with torch.compile's placements as the evidence that the
+    difference is torch's; any other placement stays this package's failure."""
+    program = generate_program(8443, 2, mesh_shape_for(8443, 2), thunderfx_share=1.0)
+    result = run_program(program)
+    mismatch = [f for f in result.failures if f.kind == "placement-mismatch"]
+    assert result.outcome == "failed" and mismatch and all(f.mode == "thunderfx" for f in mismatch), result.failures
+    assert result.compiled_placements == "(R)" and mismatch[0].detail.startswith("output placements (R) vs eager")
+    assert "torch.compile (aot_eager backend) places the output as thunderfx does" in result.upstream
+    assert not dataclasses.replace(result, compiled_placements="(P(sum))").upstream

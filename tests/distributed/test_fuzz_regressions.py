@@ -807,3 +807,56 @@ def test_a_reduction_over_an_empty_shard_is_traced_alike_on_every_rank():
         warnings.simplefilter("ignore", ReplicatedFallbackWarning)
         out = thunder.jit(lambda x: (x * 2).amax() + 1)(x)
     torch.testing.assert_close(out.full_tensor(), (full * 2).amax() + 1)
+
+
+def _linear_redistribute_linear_permute_linear(x, w1, b2, w3, b4, w5):
+    y = F.linear(x, w1, b2).view(8, 2, 3, 5)
+    if isinstance(y, DTensor):  # (plain torch on the full tensors: the identity)
+        y = y.redistribute(y.device_mesh, [Partial()])
+    return F.linear(F.linear(y, w3, b4).permute(1, 2, 3, 0), w5)
+
+
+@pytest.mark.world_size(2)
+def test_a_thunderfx_backward_traced_again_for_other_cotangent_placements_runs_eagers_placements():
+    """Seed 8082 under thunderfx: a region's backward was traced for cotangents ``Shard(2)`` and got ``Shard(3)``;
+    the backward traced for them came with a forward that scheduled the same symbols in another order, which the
+    symbol-by-symbol comparison took for another forward: the cotangents were redistributed instead (a
+    ``CotangentPlacementWarning``), and four gradients were placed otherwise than eager's (values right). The
+    forwards are now matched by dataflow."""
+    from thunder_dtensor.guards import CotangentPlacementWarning
+
+    from thunder.dynamo import thunderfx
+
+    fn = _linear_redistribute_linear_permute_linear
+    shapes = [(8, 6, 6), (5, 6), (5,), (2, 5), (2,), (6, 8)]
+    placements = [[Shard(1)], [Replicate()], [Partial()], [Replicate()], [Shard(0)], [Shard(1)]]
+    fulls = [make_full(shape, seed=90 + i) for i, shape in enumerate(shapes)]
+
+    def dtensors() -> list:
+        made = []
+        for full, p in zip(fulls, placements):
+            if p[0].is_partial():  # each rank holds a part: rank r has (r + 1) / (1 + 2) of the value
+                local = full * (mesh_1d().get_local_rank(0) + 1) / 3
+                made.append(DTensor.from_local(local, mesh_1d(), p, shape=full.shape, stride=full.stride()))
+            else:
+                made.append(distribute_tensor(full, mesh_1d(), p))
+        return [x.requires_grad_() for x in made]
+
+    compiled = thunderfx(fn)
+    plain = [f.clone().requires_grad_() for f in fulls]
+    expected = fn(*plain)
+    expected.backward(torch.ones_like(expected))
+    for call in range(2):
+        inputs, eager_inputs = dtensors(), dtensors()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CotangentPlacementWarning)
+            out = compiled(*inputs)
+            eager = fn(*eager_inputs)
+            assert out.placements == eager.placements
+            torch.testing.assert_close(out.full_tensor(), expected.detach())
+            cotangent = distribute_tensor(torch.ones_like(expected), mesh_1d(), [Replicate()])
+            out.backward(cotangent)
+        eager.backward(cotangent)
+        for i, (x, e, p) in enumerate(zip(inputs, eager_inputs, plain)):
+            torch.testing.assert_close(x.grad.full_tensor(), p.grad, msg=f"call {call}, gradient {i}")
+            assert x.grad.placements == e.grad.placements, f"call {call}, gradient {i}"

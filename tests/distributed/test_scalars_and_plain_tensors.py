@@ -1,6 +1,9 @@
 """DTensors with Python scalars, and with plain torch.Tensors, behave as in eager DTensor."""
 
+import warnings
+
 from thunder_dtensor import DTensorOpError
+from thunder_dtensor.guards import CotangentPlacementWarning
 from thunder_dtensor.testing import COMMS_ASSERTED, DTensorCase, make_full, mesh_1d, run_case, same_placements
 
 import pytest
@@ -81,3 +84,62 @@ def test_zero_dim_plain_tensor_is_accepted_as_in_eager():
     out = thunder.jit(fn)(x, scale)
     assert out.placements == eager.placements
     torch.testing.assert_close(out.full_tensor(), fn(x_full, scale))
+
+
+def _scaled_by_a_learned_scalar(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return x * s
+
+
+def _scaled_by_a_function_of_a_learned_scalar(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """A temperature kept as a plain 0-dim parameter (not parallelized): plain ops on it, then DTensor ops."""
+    t = (torch.arange(1.0, 4.0) * s).sum()  # a CPU scalar times a vector: thunder alone does not sum its gradient
+    return x * s.exp() * (t * t)
+
+
+def _scaled_by_a_learned_scalar_and_a_function_of_it(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return x * s.exp() + s
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("placements", [[Shard(1)], [Replicate()]], ids=str)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _scaled_by_a_learned_scalar,
+        _scaled_by_a_function_of_a_learned_scalar,
+        _scaled_by_a_learned_scalar_and_a_function_of_it,
+    ],
+)
+def test_a_zero_dim_plain_tensor_that_requires_grad_gets_torch_gradient(fn, placements):
+    """A plain 0-dim tensor that requires grad, used with DTensors: its gradient has torch's value. Used by a
+    DTensor op directly, it is eager's DTensor gradient (``Partial(sum)``); where plain ops made the scalar the
+    DTensor op took (``s.exp()``), thunder's backward of those ops runs on its full value (was: an
+    ``AssertionError`` from the torch executor: a DTensor cotangent in a plain op), and ``s.grad`` is a plain
+    tensor holding it (eager's is a ``Partial`` DTensor of the same sum); used both ways, its gradient is the sum
+    of the two, a DTensor."""
+    x_full, s_full = make_full((4, 6), seed=11), torch.tensor(0.7)
+    x = distribute_tensor(x_full, mesh_1d(), placements).requires_grad_()
+    s = s_full.clone().requires_grad_()
+    jitted = thunder.jit(fn)
+    out = jitted(x, s)
+    plain_x, plain_s = x_full.clone().requires_grad_(), s_full.clone().requires_grad_()
+    expected = fn(plain_x, plain_s)
+    torch.testing.assert_close(out.full_tensor(), expected.detach())
+    with warnings.catch_warnings():
+        # the eager sum hands in a Replicate cotangent: the backward is traced again for it (``torch.arange`` in the
+        # program reads the call's recorded default dtype and device again: was a LookupError, and a redistribution)
+        warnings.simplefilter("error", CotangentPlacementWarning)
+        out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), plain_x.grad)
+    if fn is _scaled_by_a_learned_scalar:  # eager's gradient: a DTensor
+        eager_x, eager_s = x_full.clone(), s_full.clone().requires_grad_()
+        fn(distribute_tensor(eager_x, mesh_1d(), placements), eager_s).sum().backward()
+        assert isinstance(s.grad, DTensor) and same_placements(s.grad.placements, eager_s.grad.placements)
+        torch.testing.assert_close(s.grad.full_tensor(), plain_s.grad)
+    elif fn is _scaled_by_a_function_of_a_learned_scalar:
+        assert type(s.grad) is torch.Tensor
+        torch.testing.assert_close(s.grad, plain_s.grad)
+    else:
+        assert isinstance(s.grad, DTensor)
+        torch.testing.assert_close(s.grad.full_tensor(), plain_s.grad)

@@ -69,6 +69,34 @@ def test_a_silently_wrong_gradient_is_fixed_only_where_switched_on():
         torch.testing.assert_close(gradient(), leaf.grad)
 
 
+def test_the_gradient_of_a_broadcast_cpu_scalar_is_summed_only_where_switched_on():
+    """``x.sum() * x``: thunder alone gives the scalar a gradient of ``x``'s shape, which nothing sums (a wrong
+    gradient, silently); with the fix, torch's gradient. ``topk(x, 2)[0].sum() * x``: thunder alone fails."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+    name = "sum_the_gradients_of_broadcast_cpu_scalars"
+
+    def gradient(fn, jit: bool) -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        (thunder.jit(fn) if jit else fn)(leaf).sum().backward()
+        return leaf.grad
+
+    expected = gradient(reproducers._scale_by_a_sum, jit=False)
+    assert (gradient(reproducers._scale_by_a_sum, jit=True) - expected).abs().max() > 1e-2  # plain: thunder's
+    with pytest.raises(RuntimeError, match="expand: attempting to expand a dimension"):
+        gradient(reproducers._scale_by_the_top_values, jit=True)
+    with fixes.enabled(name, everywhere=True):
+        torch.testing.assert_close(gradient(reproducers._scale_by_a_sum, jit=True), expected)
+        top = reproducers._scale_by_the_top_values
+        torch.testing.assert_close(gradient(top, jit=True), gradient(top, jit=False))
+        # a scalar of another dtype: its gradient comes back in its own dtype
+        half = x.to(torch.bfloat16)
+        scale = torch.tensor(0.5, requires_grad=True)
+        thunder.jit(lambda h, s: (h * s).float().sum())(half, scale).backward()
+        assert scale.grad.dtype == torch.float32 and scale.grad.shape == ()
+        torch.testing.assert_close(scale.grad, half.float().sum(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("program", [reproducers._scale_a_view_in_place, reproducers._add_into_a_view])
 def test_writes_into_views_get_eager_gradients_only_where_switched_on(program):
     """A write into a view of a tensor that requires grad: thunder alone gives wrong gradients, silently."""

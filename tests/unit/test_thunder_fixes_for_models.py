@@ -188,6 +188,16 @@ def test_named_parameters_leave_out_a_parameter_the_program_set_to_none():
     assert module.bias is not None
 
 
+def _scale_by_a_sum(x: torch.Tensor) -> torch.Tensor:
+    """A CPU scalar tensor (a sum) times the tensor it came from: thunder alone gets its gradient wrong, silently."""
+    return x.sum() * x + x / x.sum()
+
+
+def _scale_by_the_top_values(x: torch.Tensor) -> torch.Tensor:
+    """Hunyuan-V4's router: a sum of ``topk`` values scales the scores (thunder alone: "expand: ...")."""
+    return torch.topk(x, 2)[0].sum() * x - x[:, :2].sum()
+
+
 def _normalize_in_place(x: torch.Tensor) -> torch.Tensor:
     top, _ = torch.topk(x * 2, 2, dim=-1)
     top /= top.sum(-1, keepdim=True)  # (Mixtral's router)
@@ -445,6 +455,16 @@ x2 = x.detach().clone().requires_grad_()
 thunder.jit(t._normalize_in_place)(x).sum().backward()
 t._normalize_in_place(x2).sum().backward()
 errors["_normalize_in_place"] = (x.grad - x2.grad).abs().max().item()
+x = torch.randn(4, 5, requires_grad=True)
+x2 = x.detach().clone().requires_grad_()
+thunder.jit(t._scale_by_a_sum)(x).sum().backward()
+t._scale_by_a_sum(x2).sum().backward()
+errors["_scale_by_a_sum"] = (x.grad - x2.grad).abs().max().item()
+try:
+    thunder.jit(t._scale_by_the_top_values)(torch.randn(4, 5, requires_grad=True)).sum().backward()
+    errors["_scale_by_the_top_values"] = None
+except Exception as e:
+    errors["_scale_by_the_top_values"] = f"{{type(e).__name__}}: {{e}}"
 for name in ("_scale_a_view_in_place", "_add_into_a_view"):
     x = torch.randn(4, 3, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
@@ -483,6 +503,8 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     assert "Unknown attribute register_post_accumulate_grad_hook" in errors["_register_a_hook"]
     assert "named_parameters() in the order" in errors["_named_parameters"]
     assert errors["_normalize_in_place"] > 1e-3  # a wrong gradient, silently
+    assert errors["_scale_by_a_sum"] > 1e-2  # a wrong gradient, silently
+    assert "expand: attempting to expand a dimension of length 5" in errors["_scale_by_the_top_values"]
     assert errors["_scale_a_view_in_place"] > 1.0  # 3 where eager's is 1.5
     assert errors["_add_into_a_view"] > 1.0  # b's gradient (8 per element) lost
     # (torch >= 2.14: thunder fails earlier, at any custom Function without the builtin-apply fix)

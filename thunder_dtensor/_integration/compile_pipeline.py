@@ -335,20 +335,41 @@ def current_compile_context() -> tuple[Any, Any]:
     return _compile_data.get()
 
 
-def compile_joint_trace(joint: TraceCtx, compile_data: Any, compile_stats: Any) -> tuple[TraceCtx, TraceCtx]:
+def current_cache_info() -> dict | None:
+    """A copy of what ``thunder.jit`` recorded about the call it is compiling (default dtype and device, grad mode,
+    autocast: factories read it when traced); None outside a call."""
+    try:
+        return dict(thunder._get_cache_info())
+    except LookupError:
+        return None
+
+
+@contextlib.contextmanager
+def _call_recorded_as(cache_info: dict | None) -> Iterator[None]:
+    token = thunder._cache_info_ctx.set(dict(cache_info or {}))
+    try:
+        yield
+    finally:
+        thunder._cache_info_ctx.reset(token)
+
+
+def compile_joint_trace(
+    joint: TraceCtx, compile_data: Any, compile_stats: Any, cache_info: dict | None = None
+) -> tuple[TraceCtx, TraceCtx]:
     """The forward and executable backward trace ``thunder.jit`` makes of a joint (forward + backward) trace.
 
     The steps thunder 0.2.6's ``thunder.jit`` runs after its grad transform, in its order, under the jitted
     function's compile data: executors claimed and waits sorted, ``transform_for_execution`` (the lowering
     included), transformer_engine's checkpointing where it is an executor, the forward / backward split,
-    ``del_last_used`` and the function's post-optimization transforms on the backward.
+    ``del_last_used`` and the function's post-optimization transforms on the backward. ``cache_info``: what
+    :func:`current_cache_info` gave when the joint trace was made (a factory, ``torch.arange``, reads it again).
     """
     from thunder.core.compile_data import compile_data_and_stats
     from thunder.distributed.utils import maybe_sort_waits
     from thunder.executors.passes import _transform_for_operator_executor_execution, del_last_used
     from thunder.transforms.autodiff import split_into_forward_and_backward
 
-    with compile_data_and_stats(compile_data, compile_stats):
+    with compile_data_and_stats(compile_data, compile_stats), _call_recorded_as(cache_info):
         executors = compile_data.executors_list
         claimed = _transform_for_operator_executor_execution(joint, executors)
         sorted_waits, claimed = maybe_sort_waits(claimed)

@@ -1452,6 +1452,9 @@ class ProgramResult:
     #: for a thunderfx run that raises, how dynamo alone (``torch.compile`` with the eager backend) fails the DTensor
     #: program ("": it runs it)
     dynamo_alone: str = ""
+    #: for a thunderfx output placed otherwise than eager's: the output placements ``torch.compile`` (dynamo and
+    #: AOTAutograd, the ``aot_eager`` backend: no thunder) gives the DTensor program ("": not asked, or none)
+    compiled_placements: str = ""
 
     def _plain(self, failure: Failure) -> str:
         return self.plain_thunderfx if failure.mode == "thunderfx" else self.plain_thunder
@@ -1459,6 +1462,8 @@ class ProgramResult:
     def _upstream(self, f: Failure) -> str:
         if f.mode == "thunderfx" and f.kind == "thunder-raises-eager-runs" and self.dynamo_alone:
             return "dynamo alone (torch.compile, eager backend) fails the DTensor program too (a torch bug)"
+        if f.mode == "thunderfx" and f.kind == "placement-mismatch" and self._placed_as_torch_compile(f):
+            return "torch.compile (aot_eager backend) places the output as thunderfx does, unlike eager (a torch bug)"
         if f.kind == "thunder-raises-eager-runs" and f.detail.startswith("DTensorOpError"):
             if self._plain(f):
                 return "thunder fails the plain program too; thunder_dtensor raises a DTensorOpError"
@@ -1471,6 +1476,9 @@ class ProgramResult:
                 return "thunder alone gives the same wrong values for the plain program (a thunder bug)"
         return ""
 
+    def _placed_as_torch_compile(self, f: Failure) -> bool:
+        return bool(self.compiled_placements) and f.detail.startswith(f"output placements {self.compiled_placements} ")
+
     @property
     def upstream(self) -> str:
         """Why this failure is not this package's bug ("" if it is), with the evidence the fuzzer gathered, for
@@ -1482,7 +1490,11 @@ class ProgramResult:
           thunder reproduces faithfully) or refuses the program with a :class:`DTensorOpError`;
         * thunder alone gives the same wrong values for the plain program (``if`` on an ``.item()`` number is
           decided at trace time by plain thunder too);
-        * thunderfx raises where dynamo alone (``torch.compile(fn, backend="eager")``) fails the DTensor program too.
+        * thunderfx raises where dynamo alone (``torch.compile(fn, backend="eager")``) fails the DTensor program too;
+        * thunderfx places the output as ``torch.compile(fn, backend="aot_eager")`` does, where eager places it
+          otherwise: dynamo recorded the graph after a node for its own fake run's placements (fuzz seed 8443:
+          ``F.dropout(y, p=0.0)`` of a ``Partial`` value, ``Replicate`` under fake tensors), and thunderfx runs such
+          a node as torch.compile does (``thunderfx.dtensor_node_support``).
         """
         reasons = [self._upstream(f) for f in self.failures]
         return "; ".join(dict.fromkeys(reasons)) if reasons and all(reasons) else ""
@@ -1515,6 +1527,8 @@ class ProgramResult:
         upstream = f" | plain thunder.jit: {self.plain_thunder}" if self.plain_thunder else ""
         upstream += f" | plain thunderfx: {self.plain_thunderfx}" if self.plain_thunderfx else ""
         upstream += f" | dynamo alone: {self.dynamo_alone}" if self.dynamo_alone else ""
+        if self.compiled_placements:
+            upstream += f" | torch.compile (aot_eager) places the output {self.compiled_placements}"
         return f"FAIL ({self.seconds:.1f}s) {self.program.describe()} | {', '.join(kinds)}{upstream}"
 
     def reproducer(self, signature: str | None = None) -> str:
@@ -1528,6 +1542,8 @@ class ProgramResult:
             found.append(f"plain thunderfx on the full tensors: {self.plain_thunderfx}")
         if self.dynamo_alone:
             found.append(f"dynamo alone (torch.compile(fn, backend='eager')) on the DTensors: {self.dynamo_alone}")
+        if self.compiled_placements:
+            found.append(f"torch.compile(fn, backend='aot_eager') places the output {self.compiled_placements}")
         return self.program.reproducer(mode, "\n".join(found))
 
 
@@ -1969,6 +1985,19 @@ def _dynamo_alone(fn: Callable, make_inputs: Callable[[], list]) -> str:
     return ""
 
 
+def _compiled_placements(fn: Callable, make_inputs: Callable[[], list]) -> str:
+    """The output placements ``torch.compile(fn, backend="aot_eager")`` (no thunder) gives the DTensor program, as
+    the fuzzer writes them ("": it fails, or gives no DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        out = torch.compile(fn, backend="aot_eager")(*make_inputs())
+    except Exception:
+        return ""
+    out = out[0] if isinstance(out, tuple) else out
+    return _fmt(out.placements) if isinstance(out, DTensor) else ""
+
+
 def _plain_cache_misses(fn_plain: Callable, program: Program) -> int:
     """How often thunder.jit alone traces the plain program for the two data sets (it may retrace too)."""
     import thunder
@@ -2105,13 +2134,18 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
             failures += found
         if isinstance(eagers[0].error, RanksDisagree):  # eager DTensor in this process decides alike on every rank
             failures.append(Failure("eager", "rank-divergence", eagers[0].phase, _describe_error(eagers[0].error)))
-        plain_thunder = plain_thunderfx = dynamo_alone = ""
+        plain_thunder = plain_thunderfx = dynamo_alone = compiled_placements = ""
         # dynamo runs the DTensor program (its collectives): on every rank, or on none, whichever rank raised
         _, thunderfx_raised = _agree(
             None, any(f.mode == "thunderfx" and f.kind == "thunder-raises-eager-runs" for f in failures)
         )
         if thunderfx_raised:
             dynamo_alone = _dynamo_alone(fn, inputs_of(0))
+        _, thunderfx_placed_otherwise = _agree(
+            None, any(f.mode == "thunderfx" and f.kind == "placement-mismatch" for f in failures)
+        )
+        if thunderfx_placed_otherwise:
+            compiled_placements = _compiled_placements(fn, inputs_of(0))
         if failures:
             for f in failures:
                 if f.mode in first_runs:
@@ -2143,6 +2177,7 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
         values_only,
         plain_thunderfx,
         dynamo_alone,
+        compiled_placements,
     )
 
 

@@ -58,6 +58,7 @@ from thunder_dtensor._integration.registry import (
     PROVENANCE_LOOKASIDES,
     expects_absent,
     expects_function,
+    expects_identical,
     expects_qualified,
     installer,
     patch,
@@ -1647,3 +1648,37 @@ def read_dict_items_past_an_overriding_getitem() -> None:
     expects = expects_qualified("thunder.core.interpreter.MutMappingWrapperMethods.__getitem__", "self", "key")
     replacement = switched("read_dict_items_past_an_overriding_getitem", getitem, thunders)
     patch(lookasides, dict.__getitem__, replacement, table=PROVENANCE_LOOKASIDES, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The gradient of a CPU scalar tensor used beside larger tensors
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "a CPU scalar tensor an op broadcast gets its gradient summed to its own shape")
+def sum_the_gradients_of_broadcast_cpu_scalars() -> None:
+    """thunder 0.2.6 takes a 0-dim CPU tensor in an elementwise op as a number: it is not broadcast (no
+    ``broadcast_in_dim``, whose grad rule would sum the gradient back), so the op's grad rule puts a gradient of
+    the result's shape for it, which nothing reduces. ``x.sum() * x`` then gets a wrong gradient, silently (the
+    scalar's unreduced ``[4, 5]`` gradient is "expanded" to ``x``'s own shape by the sum's rule), and
+    ``x[:, :2].sum() * x`` or ``torch.topk(x, 2)[0].sum() * x`` fail ("expand: attempting to expand a
+    dimension of length 5"; Hunyuan-V4's router under both front ends). Where this acts, a gradient put for a CPU
+    scalar tensor is summed over its dims (and given the scalar's dtype): what the broadcast's rule does for any
+    other tensor. A gradient of another shape for a 0-dim tensor is never right, so only such puts change."""
+    import thunder.core.transforms as transforms
+    from thunder.core import utils
+
+    thunders = transforms.put_grad
+
+    def put_reduced_grad(grad_for: Any, grad: Any) -> Any:
+        if (
+            isinstance(grad, TensorProxy)
+            and grad.ndim > 0
+            and type(grad_for) is TensorProxy
+            and utils.is_cpu_scalar_tensor(grad_for)
+        ):
+            grad = prims.sum(grad, tuple(range(grad.ndim)))
+            if grad.dtype != grad_for.dtype:
+                grad = prims.convert_element_type(grad, grad_for.dtype)
+        return thunders(grad_for, grad)
+
+    replacement = switched("sum_the_gradients_of_broadcast_cpu_scalars", put_reduced_grad, thunders)
+    patch(transforms, "put_grad", replacement, expects=expects_identical(prims.put_grad))

@@ -53,7 +53,7 @@ def main() -> int:
     parser.add_argument("--plain-from", default=None, help="reuse the outcomes without the package from this --out")
     parser.add_argument("--plain-only", action="store_true", help="run only without the package (for --plain-from)")
     args = parser.parse_args()
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out).resolve()  # (pytest runs in thunder's install folder: --junitxml must be absolute)
     out.mkdir(parents=True, exist_ok=True)
     tests = _thunder_tests()
     paths = [str(tests / f"{name}.py") for name in args.files]

@@ -860,3 +860,24 @@ def test_a_thunderfx_backward_traced_again_for_other_cotangent_placements_runs_e
         for i, (x, e, p) in enumerate(zip(inputs, eager_inputs, plain)):
             torch.testing.assert_close(x.grad.full_tensor(), p.grad, msg=f"call {call}, gradient {i}")
             assert x.grad.placements == e.grad.placements, f"call {call}, gradient {i}"
+
+
+def _dropout_off_of_a_partial_value(x, w, b, o):
+    y = F.linear(x, w, b)
+    return (torch.dropout(y, 0.2, False) + torch.dropout(y, 0.0, True)) / o
+
+
+@pytest.mark.world_size(2, 4)
+@LOWERING
+def test_torch_dropout_that_draws_nothing_keeps_a_partial_value_as_eager(lowering):
+    """Fuzz seed 9190 at 4 ranks: ``torch.dropout(y, 0.2, False)`` of a ``Partial`` value is the value itself in
+    eager (its kernel returns the input), but DTensor's propagation on fake tensors runs the Python decomposition and
+    placed it ``Replicate``: with the lowering, the output was ``_StridedShard`` where eager's is ``Partial(sum)``
+    (values right). ``torch.dropout`` now takes ``F.dropout``'s rule."""
+    fulls = [make_full((4, 12), seed=100), make_full((6, 12), seed=101), make_full((6,), seed=102)]
+    fulls.append(make_full((6,), seed=103, low=0.5))
+    placements = [[Replicate()], [Partial()], [Replicate()], [Shard(0)]]
+    case = DTensorCase(
+        _dropout_off_of_a_partial_value, fulls, placements, requires_grad=[True, False, True, False], mesh=mesh_1d()
+    )
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})

@@ -46,3 +46,15 @@ def dtensor_dropout(input, p=0.5, training=True, inplace=False):
 
 
 register_function_for_dtensor(F.dropout, dtensor_dropout)
+
+
+@define_dtensor_symbol
+def dtensor_torch_dropout(input, p, train):
+    """``torch.dropout(x, p, train)``: the same op as ``F.dropout``, taken by ``dtensor_dropout`` so that
+    ``train=False`` (or ``p=0``) returns the input as eager's kernel does: DTensor's propagation on fake tensors runs
+    the Python decomposition instead and places the result ``Replicate`` where eager keeps a ``Partial`` (fuzz seed
+    9190)."""
+    return dtensor_dropout(input, p, train)
+
+
+register_function_for_dtensor(torch.dropout, dtensor_torch_dropout)

@@ -2135,16 +2135,13 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
         if isinstance(eagers[0].error, RanksDisagree):  # eager DTensor in this process decides alike on every rank
             failures.append(Failure("eager", "rank-divergence", eagers[0].phase, _describe_error(eagers[0].error)))
         plain_thunder = plain_thunderfx = dynamo_alone = compiled_placements = ""
-        # dynamo runs the DTensor program (its collectives): on every rank, or on none, whichever rank raised
-        _, thunderfx_raised = _agree(
-            None, any(f.mode == "thunderfx" and f.kind == "thunder-raises-eager-runs" for f in failures)
-        )
-        if thunderfx_raised:
+        # dynamo runs the DTensor program (its collectives): on every rank, or on none, whichever rank failed so
+        thunderfx_kinds = {f.kind for f in failures if f.mode == "thunderfx"}
+        gathered, _ = _agree(sorted(thunderfx_kinds & {"thunder-raises-eager-runs", "placement-mismatch"}))
+        thunderfx_kinds = set().union(*map(set, gathered))
+        if "thunder-raises-eager-runs" in thunderfx_kinds:
             dynamo_alone = _dynamo_alone(fn, inputs_of(0))
-        _, thunderfx_placed_otherwise = _agree(
-            None, any(f.mode == "thunderfx" and f.kind == "placement-mismatch" for f in failures)
-        )
-        if thunderfx_placed_otherwise:
+        if "placement-mismatch" in thunderfx_kinds:
             compiled_placements = _compiled_placements(fn, inputs_of(0))
         if failures:
             for f in failures:

@@ -10,7 +10,7 @@ Contenders, all on the same sharded model and the same cache kind:
 - ``torch.compile``: the forward under ``torch.compile(mode="default")`` (static cache, as transformers' docs);
 - ``thunder``: the forward under ``thunder.jit``; ``thunderfx``: under ``thunder.dynamo.thunderfx``;
 - ``thunder_inductor``: ``thunder.jit`` with thunder's torch.compile executor listed first: inductor compiles the
-  lowered step, collectives included, as one graph;
+  lowered step, collectives included, as one graph; ``thunderfx_inductor``: thunderfx with the same executor list;
 - ``limit``: the same decoding hand-written on each rank's local shards (the weights the TP model holds, the
   model's own norms and rotary embedding, one all-reduce after each row-parallel projection and the embedding,
   one all-gather of the logits), run eagerly: what the program costs with nothing in between.
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-CONTENDERS = ("eager", "torch.compile", "thunder", "thunder_inductor", "thunderfx", "limit")
+CONTENDERS = ("eager", "torch.compile", "thunder", "thunder_inductor", "thunderfx", "thunderfx_inductor", "limit")
 
 
 def _config(args: argparse.Namespace):  # -> LlamaConfig
@@ -159,6 +159,11 @@ def _decoder(name: str, model: torch.nn.Module, max_len: int) -> Callable[[torch
             from thunder.dynamo import thunderfx
 
             forward = thunderfx(forward)
+        elif name == "thunderfx_inductor":
+            from thunder.dynamo import thunderfx
+            from thunder.executors.torch_compile import torch_compile_ex
+
+            forward = thunderfx(forward, executors=[torch_compile_ex, *thunder.get_default_executors()])
 
         def step_model(ids: torch.Tensor, position: torch.Tensor, cache: object) -> torch.Tensor:
             out = forward(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=position)

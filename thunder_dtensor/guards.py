@@ -179,10 +179,42 @@ def _walkable_root_impl(root: Any) -> Any:
     return None
 
 
+#: module class -> {name: whether ``getattr(module, name)`` ends in ``nn.Module.__getattr__`` for an instance
+#: without ``name`` in its ``__dict__``}: no class attribute or descriptor of that name in the class's MRO, torch's
+#: ``__getattr__`` and ``object.__getattribute__``. Decided once per class and name (a class changed after its
+#: first call keeps its verdict, as dynamo's guards keep theirs); holds the classes, as long-lived as their modules.
+_ENDS_IN_MODULE_GETATTR: dict[type, dict[str, bool]] = {}
+
+
+def _ends_in_module_getattr(module: Any, name: str) -> bool:
+    """Whether ``getattr(module, name)`` is answered by ``nn.Module.__getattr__`` from the module's dicts, after a
+    failed attribute lookup (an ``AttributeError`` raised and caught: about 1 µs, 54 submodules and 39 parameters
+    in a 4-layer HF decode step's prologue). Where it is, the prologue reads those dicts itself."""
+    if name in module.__dict__:
+        return False
+    cls = type(module)
+    verdicts = _ENDS_IN_MODULE_GETATTR.get(cls)
+    if verdicts is None:
+        verdicts = _ENDS_IN_MODULE_GETATTR[cls] = {}
+    verdict = verdicts.get(name)
+    if verdict is None:
+        verdict = verdicts[name] = (
+            cls.__getattribute__ is torch.nn.Module.__getattribute__
+            and getattr(cls, "__getattr__", None) is torch.nn.Module.__getattr__
+            and not any(name in vars(k) for k in cls.__mro__)
+        )
+    return verdict
+
+
 def _submodule_step_impl(parent: Any, name: str) -> Any:
     """One step of ``get_submodule``'s walk (None where the walk does not apply)."""
     if parent is None:
         return None
+    if _ends_in_module_getattr(parent, name):  # nn.Module.__getattr__'s order: parameters, buffers, modules
+        state = parent.__dict__
+        child = state["_modules"].get(name)
+        if child is not None and name not in state["_parameters"] and name not in state["_buffers"]:
+            return child  # (``_modules`` holds modules, or None)
     child = getattr(parent, name)  # AttributeError where torch's hasattr check raises it
     if not isinstance(child, torch.nn.Module):
         raise AttributeError(f"`{name}` is not an nn.Module")
@@ -196,6 +228,10 @@ def _fetch_submodule_impl(root: Any, path: str, walked: Any) -> Any:
 def _fetch_parameter_impl(root: Any, path: str, owner: Any, name: str) -> Any:
     if owner is None:
         return root.get_parameter(path)
+    if _ends_in_module_getattr(owner, name):
+        param = owner.__dict__["_parameters"].get(name)
+        if param is not None:
+            return param  # (``_parameters`` holds parameters, or None; it is searched first)
     param = getattr(owner, name)
     if not isinstance(param, torch.nn.Parameter):
         raise AttributeError(f"`{name}` is not an nn.Parameter")
@@ -205,8 +241,11 @@ def _fetch_parameter_impl(root: Any, path: str, owner: Any, name: str) -> Any:
 def _fetch_buffer_impl(root: Any, path: str, owner: Any, name: str) -> Any:
     if owner is None:
         return root.get_buffer(path)
-    if name not in owner._buffers:
+    buffers = owner.__dict__["_buffers"]
+    if name not in buffers:
         raise AttributeError(f"`{name}` is not a buffer")
+    if _ends_in_module_getattr(owner, name) and name not in owner.__dict__["_parameters"]:
+        return buffers[name]
     return getattr(owner, name)
 
 

@@ -881,3 +881,23 @@ def test_torch_dropout_that_draws_nothing_keeps_a_partial_value_as_eager(lowerin
         _dropout_off_of_a_partial_value, fulls, placements, requires_grad=[True, False, True, False], mesh=mesh_1d()
     )
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_write_whose_cotangents_meet_a_shard_and_a_partial_value_is_summed(lowering):
+    """Fuzz seed 9885 (4 ranks, a 2x2 mesh): ``mul_`` by a partial operand into a view of a transposed clone. The
+    functional write's two cotangents met as ``(S(0), P)`` (the written tensor's) and ``(R, S(1))`` (what flowed
+    back through its reads); copying the second into the first's placements needs ``S(1) -> P`` on the second mesh
+    dim, which DTensor cannot do (the backward raised). It is gathered there first. Eager DTensor's own backward
+    raises the same way on this program (torch 2.13): where it does, the case is held to plain torch alone."""
+
+    def fn(x: torch.Tensor, o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = x.transpose(0, 1).clone()
+        y.narrow(0, 0, 2).mul_(o)
+        return torch.tanh(F.linear(y, w)).mean(dim=-2)
+
+    inputs = [make_full((2, 2), seed=50), make_full((2, 2), seed=51), make_full((6, 2), seed=52)]
+    placements = [[Shard(1), Replicate()], [Replicate(), Partial()], [Shard(1), Partial()]]
+    case = DTensorCase(fn, inputs, placements, requires_grad=[True, False, True], mesh=mesh_2d(2))
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering}, compare_eager=eager_error(case) is None)

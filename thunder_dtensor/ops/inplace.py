@@ -545,7 +545,17 @@ dtensor_written_value_prim = define_marker_prim(
 def _sum_written_view_cotangents(base: Any, view: Any) -> Any:
     """The two parts of a functional write's cotangent summed as eager's backward sums them: it copies what flowed
     back through the write's reads into the written part of a copy of the written tensor's cotangent, so the sum
-    has that cotangent's placements (an add would take whatever placements DTensor's rule for the add picks)."""
+    has that cotangent's placements (an add would take whatever placements DTensor's rule for the add picks).
+
+    DTensor cannot redistribute a shard to a partial value (``S(n) -> P``): where the copy needs that on a mesh
+    dim, the view's part is gathered there first (fuzz seed 9885 at 4 ranks: a ``mul_`` by a partial operand into
+    a transposed clone, the base's cotangent ``(S(0), P)``, the reads' ``(R, S(1))``)."""
+    if isinstance(base, ti.DTensor) and isinstance(view, ti.DTensor) and base.device_mesh == view.device_mesh:
+        gathered = [
+            ti.Replicate() if b.is_partial() and v.is_shard() else v for b, v in zip(base.placements, view.placements)
+        ]
+        if gathered != list(view.placements):
+            view = view.redistribute(view.device_mesh, gathered)
     return torch.add(base, torch.empty_like(base).copy_(view))
 
 

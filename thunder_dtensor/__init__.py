@@ -38,6 +38,7 @@ _integration.no_gradient_in_no_gradient_out()  # thunderfx: an unread graph outp
 _integration.take_autograd_function_apply_without_a_tensor_mask()  # thunderfx: torch 2.13's custom Functions
 _integration.read_dict_items_past_an_overriding_getitem()  # ACT2FN[name](x): a dict subclass's own __getitem__
 _integration.sum_the_gradients_of_broadcast_cpu_scalars()  # x.sum() * x on CPU: the scalar's gradient is summed
+_integration.scale_by_run_time_alphas()  # torch.add(a, b, alpha=x.item())
 
 if DISTRIBUTED_AVAILABLE:
     from thunder_dtensor import dispatch, guards, ops

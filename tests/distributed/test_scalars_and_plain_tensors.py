@@ -143,3 +143,26 @@ def test_a_zero_dim_plain_tensor_that_requires_grad_gets_torch_gradient(fn, plac
     else:
         assert isinstance(s.grad, DTensor)
         torch.testing.assert_close(s.grad.full_tensor(), plain_s.grad)
+
+
+def _alpha_read_from_a_dtensor(x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    s = x.amax().item()
+    return x * 2, torch.add(b, b * 3, alpha=s), torch.sub(b, b * 5, alpha=s), b.clone().add_(b, alpha=s)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("lowering", [True, False], ids=["lowered", "eager_prims"])
+def test_plain_tensors_scaled_by_an_alpha_read_from_a_dtensor(lowering):
+    """``torch.add(b, c, alpha=x.amax().item())`` on plain tensors in a DTensor program: thunder's own ``add``
+    took the alpha, which has no value while it traces, as 1 (plain ``b + c``, silently; the thunder fix
+    ``scale_by_run_time_alphas``). Two calls, other data: the alpha is read at run time each call."""
+    jitted = thunder.jit(_alpha_read_from_a_dtensor, dtensor_lowering=lowering)
+    for seed in (60, 61):
+        full, b = make_full((4, 6), seed=seed), make_full((3,), seed=seed + 10)
+        expected = _alpha_read_from_a_dtensor(full, b)
+        out = jitted(distribute_tensor(full, mesh_1d(), [Shard(1)]), b)
+        torch.testing.assert_close(out[0].full_tensor(), expected[0])
+        for got, want in zip(out[1:], expected[1:]):
+            assert not isinstance(got, DTensor)
+            torch.testing.assert_close(got, want)
+    assert thunder.cache_misses(jitted) == 1

@@ -141,6 +141,26 @@ def test_a_silent_branch_on_a_run_time_number_is_refused_only_where_switched_on(
             thunder.jit(program)(x)
 
 
+def test_an_alpha_read_from_the_data_scales_only_where_switched_on():
+    """``torch.add(x, y, alpha=x.amax().item())``: thunder alone takes the unknown alpha as 1, silently."""
+    program = reproducers._add_scaled_by_a_read_number
+    x = torch.rand(4, 3) + 0.5
+    s = x.amax().item()
+    unscaled = (x + x * 3) + (x - x * 5) + (x + x)
+    torch.testing.assert_close(thunder.jit(program)(x), unscaled)  # plain program: thunder's behaviour
+    with fixes.enabled("scale_by_run_time_alphas", everywhere=True):
+        torch.testing.assert_close(thunder.jit(program)(x), program(x))
+        torch.testing.assert_close(program(x), (x + s * x * 3) + (x - s * x * 5) + (x + s * x))
+
+
+def test_a_branch_of_thunders_own_on_a_run_time_number_is_refused_naming_the_op():
+    """thunder's ``dropout`` compares its rate with 0 in Python: with a rate read from the data (no value while
+    it traces) that comparison is a guess; switched on, it is refused, naming thunder's function."""
+    with fixes.enabled("refuse_branches_on_run_time_numbers", everywhere=True):
+        with pytest.raises(DataDependentValueError, match=r"thunder's thunder\.torch\.dropout"):
+            thunder.jit(reproducers._dropout_at_a_read_rate)(torch.rand(4, 3))
+
+
 def _fails_inside(x):
     raise ValueError("raised inside the jitted program")
 

@@ -131,6 +131,17 @@ def _branch_on_a_read_number(x: torch.Tensor) -> torch.Tensor:
     return x * 2 if x.sum().item() > 0 else x * 3
 
 
+def _add_scaled_by_a_read_number(x: torch.Tensor) -> torch.Tensor:
+    """``alpha`` read from the data: thunder alone adds (and subtracts) unscaled on every call, silently."""
+    s = x.amax().item()
+    return torch.add(x, x * 3, alpha=s) + torch.sub(x, x * 5, alpha=s) + x.clone().add_(x, alpha=s)
+
+
+def _dropout_at_a_read_rate(x: torch.Tensor) -> torch.Tensor:
+    """thunder's own dropout branches on its rate (``if p == 0``) while it traces."""
+    return torch.nn.functional.dropout(x, p=x.amax().item() / 10)
+
+
 def _meta_stride(x: torch.Tensor) -> torch.Tensor:
     meta = torch.empty((x.shape[0], 6), device="meta")
     return x * meta.stride()[0] + meta.shape[1]
@@ -471,6 +482,9 @@ for name in ("_scale_a_view_in_place", "_add_into_a_view"):
     thunder.jit(getattr(t, name))(x).sum().backward()
     getattr(t, name)(x2).sum().backward()
     errors[name] = (x.grad - x2.grad).abs().max().item()
+x = torch.rand(4, 3) + 0.5
+scaled = t._add_scaled_by_a_read_number
+errors["_add_scaled_by_a_read_number"] = (thunder.jit(scaled)(x) - scaled(x)).abs().max().item()
 x = torch.randn(2, 3, requires_grad=True)
 zero = torch.equal(thunder.jit(t._branch_on_requires_grad)(x), x.detach().view(-1) * 0)
 errors["_branch_on_requires_grad"] = "no-grad branch taken" if zero else "eager's branch"
@@ -498,6 +512,7 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     assert errors["_read_named_results"] == "AttributeError: values"
     assert "missing 1 required positional argument" in errors["_pick_an_activation_by_name"]
     assert errors["_fill_a_lazy_cache"] == "lost"  # silently: keys, length and ready were not written back
+    assert errors["_add_scaled_by_a_read_number"] > 0.1  # silently: alpha taken as 1
     assert "trying to set .collected" in errors["_set_then_reset"]
     assert "Unknown attribute stride" in errors["_meta_stride"]
     assert "Unknown attribute register_post_accumulate_grad_hook" in errors["_register_a_hook"]

@@ -53,14 +53,17 @@ def global_item(op: Any, args: tuple, kwargs: dict) -> Any:
     return op(x.to_local(), **kwargs)
 
 
-def branch_refusal(number: Any) -> DataDependentValueError:
-    """The error for ``bool(s)`` of a number the program reads from a tensor's data at run time (``if s > 0:``)."""
+def branch_refusal(number: Any, where: str | None = None) -> DataDependentValueError:
+    """The error for ``bool(s)`` of a number the program reads from a tensor's data at run time (``if s > 0:``);
+    ``where``: the thunder function whose own Python branched on it (``thunder.torch.dropout``), if not the
+    program."""
+    what = "the program" if where is None else f"thunder's {where}"
     return DataDependentValueError(
-        "bool",
+        "bool" if where is None else where,
         (),
         {},
-        f"bool() of {number.name}, a number computed from a tensor's data (x.item()) whose value is known at run "
-        "time only: a trace cannot take a branch on it",
+        f"bool() of {number.name} in {what}: a number computed from a tensor's data (x.item()) whose value is "
+        "known at run time only: a trace cannot take a branch on it",
         hint="keep the condition a tensor and choose with torch.where, or compile with thunderfx (thunder.dynamo), "
         "which runs the branch in Python between graphs",
     )

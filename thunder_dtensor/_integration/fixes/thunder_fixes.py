@@ -1223,7 +1223,7 @@ def functionalize_writes_into_views_that_require_grad() -> None:
 # Branches on numbers the program computes
 # ---------------------------------------------------------------------------------------------------------
 @installer("thunder-fix", "bool() of a number computed at run time (x.item()) is refused, not taken as False")
-def refuse_branches_on_run_time_numbers(refusal: Callable[[Any], Exception]) -> None:
+def refuse_branches_on_run_time_numbers(refusal: Callable[[Any, str | None], Exception]) -> None:
     """A number the program reads from a tensor (``s = x.sum().item()``) has no value at trace time; thunder 0.2.6
     compares it all the same and converts the comparison to ``bool`` as ``bool(None)``: ``if s > 0:`` takes the
     ``else`` branch on every call, silently (no check of the branch is kept). Where active, a conversion of such a
@@ -1246,7 +1246,7 @@ def refuse_branches_on_run_time_numbers(refusal: Callable[[Any], Exception]) -> 
 
     @jit_ext.interpreter_needs_wrap
     def refuse(number: Any) -> bool:
-        raise refusal(number)
+        raise refusal(number, None)
 
     def bool_lookaside(wrapped: Any) -> Any:
         value = getattr(wrapped, "value", None)
@@ -1255,6 +1255,53 @@ def refuse_branches_on_run_time_numbers(refusal: Callable[[Any], Exception]) -> 
         return jit_ext._general_jit_lookaside_map[bool](wrapped)  # thunder's
 
     add_scoped_lookaside(name, bool, bool_lookaside)
+
+    # thunder's own ops branch on their number arguments in Python while they trace (``if p == 0`` in dropout):
+    # ``bool()`` of a number without a value there is refused too, naming the op that branched
+    number_to_bool = NumberProxy.__bool__
+
+    def refusing_bool(self: Any) -> bool:
+        if self.value is None and active(name):
+            raise refusal(self, _thunder_function_branching())
+        return number_to_bool(self)
+
+    patch(NumberProxy, "__bool__", refusing_bool, expects=expects_function("thunder.core.proxies", "self"))
+
+
+def _thunder_function_branching() -> str | None:
+    """The thunder function (``thunder.torch.dropout``) whose Python converted a number to ``bool``, if any."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("thunder.torch", "thunder.clang", "thunder.core.prims")):
+            return f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# add / sub with an alpha computed at run time
+# ---------------------------------------------------------------------------------------------------------
+@installer("thunder-fix", "torch.add / torch.sub take an alpha computed at run time (x.item()), not alpha=1")
+def scale_by_run_time_alphas() -> None:
+    """``torch.add(a, b, alpha=s)`` with ``s = x.item()``: thunder 0.2.6's ``add`` and ``sub`` scale ``b`` only
+    ``if alpha != 1``, which a number without a value at trace time answers False: the program adds ``b``
+    unscaled on every call, silently (the trace keeps no check). Where active, such an alpha always scales."""
+    from thunder.core.proxies import NumberProxy
+
+    fix = "scale_by_run_time_alphas"
+    for symbol in (ltorch.add, ltorch.sub):
+        original = cast(Callable, symbol.meta)
+
+        def scaling(a: Any, b: Any, /, *, alpha: Any = 1, _original: Callable = original) -> Any:
+            if isinstance(alpha, NumberProxy) and alpha.value is None and active(fix, a, b):
+                return _original(a, b * alpha)
+            return _original(a, b, alpha=alpha)
+
+        functools.update_wrapper(scaling, original)  # (traces print the symbol's module from its meta's)
+        patch(symbol, "meta", scaling, expects=expects_function("thunder.torch", "a", "b"), frozen=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

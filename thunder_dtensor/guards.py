@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
+from thunder_dtensor.primitive import vjp_call_deciding_again
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.spec import DTensorMeta
 
@@ -372,9 +373,14 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
         ):
             bsyms.append(bsym)
             continue
+        # a generic vjp decides again how it runs (the vjp, decomposed, replicated) for the cotangent that flows
+        deciding_again = vjp_call_deciding_again(bsym.sym.name)
         with ti.tracectx(new_trace):
             new_trace.push_scope([])
-            out = bsym.sym(*bsym.args, **bsym.kwargs)
+            if deciding_again is not None:
+                out = deciding_again(*bsym.args)
+            else:
+                out = bsym.sym(*bsym.args, **bsym.kwargs)
             retraced = new_trace.pop_scope()
         old_outs, new_outs = ti.tree_flatten(bsym.output)[0], ti.tree_flatten(out)[0]
         ti.check(  # (mypy cannot infer the type of a lambda with a default argument)
@@ -386,7 +392,7 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
             for o, n in zip(old_outs, new_outs)
             if isinstance(o, DTensorProxy) and (o.meta.spec, o.local_shape) != (n.meta.spec, n.local_shape)
         ]
-        if not changed:
+        if not changed and [b.sym.name for b in retraced] == [bsym.sym.name]:
             bsyms.append(bsym)
             continue
         for b in retraced:

@@ -39,6 +39,7 @@ __all__ = [
     "DTENSOR_PRIMS",
     "PRIMS",
     "PrimRecord",
+    "vjp_call_deciding_again",
 ]
 
 
@@ -61,6 +62,9 @@ class PrimRecord:
     generic_grad_rule: Callable | None = None
     #: this prim is the generic vjp of another: its gradients are narrowed to those a backward reads
     is_generic_vjp: bool = False
+    #: a generic vjp's call (``vjp(args, kwargs, cotangents, diff_indices)``) that decides again how it runs (the
+    #: vjp itself, decomposed, or replicated) for the cotangents given: see :func:`vjp_call_deciding_again`
+    decide_again: Callable | None = None
     #: why it is never lowered (it exists to run eager DTensor code, or nothing, at run time); None: lowered
     not_lowered: str | None = None
     #: it returns its DTensor arguments themselves under new names (the alias pass's renames): the lowering reads
@@ -704,7 +708,7 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
     vjp_prim = define_dtensor_prim(f"{name}_vjp", vjp_source, differentiable=False)
     PRIMS[vjp_prim.name].is_generic_vjp = True
 
-    def vjp(*vjp_args: Any, distrust: str | None = None) -> Any:
+    def vjp(*vjp_args: Any, distrust: str | None = None, quiet: bool = False) -> Any:
         # a backward DTensor has no rule for is decomposed, else replicated, as a forward op is (the policy is
         # ops/no_rule.py's, which builds on this module: it hands it over as it is imported)
         call_or_rewrite, replicated = _BACKWARD_CALL.call_or_rewrite, _BACKWARD_CALL.replicated
@@ -721,6 +725,7 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
             replicated_source=functools.partial(run_vjp, cast(Callable, replicated)(runtime_fn)),
             differentiable=False,
             distrust=distrust,
+            quiet=quiet,
         )
 
     def grad_rule(*args: Any, **kwargs: Any) -> Any:
@@ -745,7 +750,10 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
             # (matmul folds differently), so DTensor may reject the joint call where eager, asked for the
             # gradients it needs, runs: one call per input, and the backward's pruning drops the unread ones
             groups = [(i,) for i in diff_indices]
-        grads = tuple(g for group in groups for g in vjp(args, kwargs, cotangents, group, distrust=distrust))
+        # provisional: decided on stand-ins for the cotangents, again on those that flow (``decide_again``)
+        grads = tuple(
+            g for group in groups for g in vjp(args, kwargs, cotangents, group, distrust=distrust, quiet=True)
+        )
         if all(grad is None for grad in grads):
             # torch's backward leaves every gradient undefined (a norm with ord=0), yet its output requires
             # grad: a kept no-op gives thunder a backward, so `backward()` runs and leaves `.grad` None
@@ -755,8 +763,39 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
                 put_gradient(flat_inputs[i], grad)
         return out
 
+    def decide_again(args: tuple, kwargs: dict, cotangents: tuple, diff_indices: tuple) -> Any:
+        # the forward's outputs say whether eager's backward is distrusted (a scratch scope: nothing is recorded)
+        trace = ti.get_tracectx()
+        ti.check(trace is not None, lambda: "a vjp decides again while a trace is being made")
+        assert trace is not None  # (for mypy)
+        trace.push_scope([])
+        try:
+            outs = [o for o in ti.tree_flatten(prim(*args, **kwargs))[0] if isinstance(o, ti.TensorProxy)]
+        finally:
+            trace.pop_scope()
+        flat_inputs, _ = ti.torch_tree_flatten((args, kwargs))
+        return vjp(args, kwargs, cotangents, diff_indices, distrust=_backward_distrusted(flat_inputs, outs))
+
     ti.register_grad(prim, grad_rule)
     record.grad_rule = record.generic_grad_rule = grad_rule
+    PRIMS[vjp_prim.name].decide_again = decide_again
+
+
+def vjp_call_deciding_again(name: str) -> Callable | None:
+    """For a generic vjp prim, or the decomposed / replicated prim it was rewritten into: its call that decides
+    again how it runs, given its four arguments; None for other symbols.
+
+    The grad rule decides on a stand-in for the cotangent placed as the primal output. The cotangent that flows
+    may be placed otherwise (``guards.propagate_gradient_specs`` traces each backward step again on it): DTensor
+    may then accept a vjp it rejected (a gathered reshape's gradient, fuzz seed 10357: the replicated rewrite
+    placed it as the primal, eager as the cotangent) or reject one it accepted.
+    """
+    record = PRIMS.get(name)
+    if record is None:
+        return None
+    if record.rewritten is not None:
+        record = PRIMS.get(f"dtensor_{record.rewritten[0]}_prim")
+    return record.decide_again if record is not None else None
 
 
 def _traces(op_name: str, torch_fn: Callable, args: tuple) -> bool:

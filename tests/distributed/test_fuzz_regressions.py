@@ -901,3 +901,82 @@ def test_a_write_whose_cotangents_meet_a_shard_and_a_partial_value_is_summed(low
     placements = [[Shard(1), Replicate()], [Replicate(), Partial()], [Shard(1), Partial()]]
     case = DTensorCase(fn, inputs, placements, requires_grad=[True, False, True], mesh=mesh_2d(2))
     run_case(case, jit_kwargs={"dtensor_lowering": lowering}, compare_eager=eager_error(case) is None)
+
+
+def _bias_gradient_through_a_gathering_reshape(x, w1, b2, w3, b4, o7, o8):
+    y = F.linear(F.linear(x, w1, b2), w3, b4).reshape(-1, 6, 96)
+    return torch.cat([torch.cat([o7, y], dim=-1), o8], dim=1)
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_vjp_decides_how_it_runs_for_the_cotangent_that_flows(lowering):
+    """Fuzz seed 10357 (4 ranks, a 2x2 mesh): the bias placed ``(S(0), S(0))`` got its gradient ``(S(0), S(0))``
+    where eager's is ``(R, R)`` (values right). The reshape's output is ``_StridedShard``; thunder's autodiff traced
+    its vjp on a cotangent placed like it, which DTensor rejects, so the vjp ran replicated and handed the gradient
+    back in the primal's placements. The cotangent that flows is ``(R, R)`` (the concatenations gathered), on
+    which DTensor's own vjp runs: each generic vjp now decides how it runs again for the cotangent that flows."""
+    shapes = [(3, 6, 6, 2), (3, 2), (3,), (16, 3), (16,), (3, 6, 1), (3, 1, 97)]
+    inputs = [make_full(shape, seed=110 + i) for i, shape in enumerate(shapes)]
+    placements = [
+        [Shard(1), Replicate()],
+        [Replicate(), Shard(0)],
+        [Replicate(), Replicate()],
+        [Shard(0), Replicate()],
+        [Shard(0), Shard(0)],
+        [Shard(0), Replicate()],
+        [Shard(1), Partial()],
+    ]
+    requires_grad = [False, False, False, False, True, False, False]
+    case = DTensorCase(
+        _bias_gradient_through_a_gathering_reshape, inputs, placements, requires_grad=requires_grad, mesh=mesh_2d(2)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedFallbackWarning)  # no vjp of this program runs replicated
+        run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+def _lookup_transposed_and_strided(ids, table):
+    return F.embedding(ids, table).transpose(2, -2)[::2]
+
+
+def _lookup_scaled(ids, table):
+    return F.embedding(ids, table) * 3
+
+
+_EMBEDDING_DIM_SHARDED = ([Shard(1), Replicate()], [Shard(1), Replicate()])
+_VOCAB_SHARDED_IDS_SHARDED = ([Shard(0), Replicate()], [Replicate(), Shard(0)])
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+@pytest.mark.parametrize(
+    "fn, placements, table_gradient",
+    [
+        (_lookup_transposed_and_strided, _EMBEDDING_DIM_SHARDED, None),
+        (_lookup_scaled, _EMBEDDING_DIM_SHARDED, None),
+        (_lookup_scaled, _VOCAB_SHARDED_IDS_SHARDED, [Partial(), Shard(0)]),
+    ],
+    ids=["masked_by_eager_then_strided", "masked_by_eager", "vocab_sharded_ids_sharded"],
+)
+def test_vocab_parallel_lookups_on_a_2d_mesh(fn, placements, table_gradient, lowering):
+    """Fuzz seed 10371 (4 ranks, a 2x2 mesh), a table placed ``(S(1), R)`` and ids ``(S(1), R)``: DTensor's rule
+    looks up ``Shard(0)`` rows on the second mesh dim (free from ``Replicate``), a ``_MaskPartial`` output holding
+    the mask of its own call. The trace kept the trace-time one, which the next unwrap compared unequal to the
+    run's (lowered: ``Can not redistribute from MaskP(...) to MaskP(...)``). The lookup is now the vocab-parallel
+    prim on the ids and table placed as eager's rule places them (the table gathered on the first mesh dim, its
+    gradient left as the lookup's backward gives it: eager's ``(P, P)``). Eager's own run of the first program
+    raises (its mask no longer fits the transposed, strided value): there it is held to plain torch alone.
+
+    Found on the way, a silently wrong gradient: with the ids sharded over a mesh dim the table is replicated on
+    (a vocab-sharded table, batch-sharded ids), each rank's table gradient held its own ids' rows and was called
+    ``Replicate``; it is ``Partial`` there, as eager's. A vocab-sharded table's gradient keeps ``Shard(0)`` on the
+    vocabulary's mesh dim (the package's decision; eager's is ``Partial``)."""
+    inputs = [make_full((5, 6), seed=120, dtype=torch.int64, int_high=8), make_full((8, 4), seed=121)]
+    case = DTensorCase(fn, inputs, list(placements), requires_grad=[False, True], mesh=mesh_2d(2))
+    run_case(
+        case,
+        jit_kwargs={"dtensor_lowering": lowering},
+        compare_eager=eager_error(case) is None,
+        own_grad_placements=None if table_gradient is None else {1: table_gradient},
+    )

@@ -373,13 +373,19 @@ def dtensor_from_local_unchecked(local: torch.Tensor, spec: Any) -> Any:
 
 def local_offset(dtensor: Any) -> tuple[int, ...]:
     """Where this rank's shard starts in the global tensor, per dim."""
+    return local_shape_and_offset(dtensor)[1]
+
+
+def local_shape_and_offset(dtensor: Any, placements: Any = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's shard of ``dtensor`` placed ``placements`` (default: its own): its shape and where it starts."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     spec = dtensor_spec(dtensor)
+    placements = spec.placements if placements is None else tuple(placements)
     # numbers known from the spec, not traced values (the lowering's tracing runs this under fake tensors)
     with outside_tracing_modes():
-        offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)[1]
-    return tuple(int(o) for o in offset)
+        shape, offset = compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, placements)
+    return tuple(int(n) for n in shape), tuple(int(o) for o in offset)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -17,12 +17,20 @@ batch, would be counted per shard the same way (seed 5147): it is made Replicate
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import dtensor_callable_for, register_function_for_dtensor
+from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.ops.fallback import fallback_prim
-from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol, define_marker_prim, propagated_fakes
+from thunder_dtensor.primitive import (
+    define_dtensor_prim,
+    define_dtensor_symbol,
+    define_marker_prim,
+    define_vjp,
+    propagated_fakes,
+)
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.spec import MaskPartial, as_traced_placement, contiguous_stride
 
@@ -33,10 +41,24 @@ import torch.nn.functional as F
 def _vocab_parallel_embedding(
     ids: Any, weight: Any, vocab_mesh_dim: int, padding_idx: int | None = None, scale_grad_by_freq: bool = False
 ) -> Any:
-    start = ti.local_offset(weight)[0]
-    local_weight = weight.to_local()
+    # ids sharded over a mesh dim the table is replicated on: each rank's rows hold the gradient of its own ids,
+    # a sum pending over that dim (eager's placement there); to_local's backward would call it Replicate
+    grad_placements = [
+        ti.Partial() if i != vocab_mesh_dim and p.is_replicate() and not ids.placements[i].is_replicate() else p
+        for i, p in enumerate(weight.placements)
+    ]
+    if weight.placements[vocab_mesh_dim].is_replicate():
+        # eager's rule looks up this rank's Shard(0) rows of a replicated table (a free redistribution): the gradient
+        # holds those rows, zeros elsewhere, a sum pending over the mesh dim (eager's Partial)
+        chunked = [ti.Shard(0) if i == vocab_mesh_dim else p for i, p in enumerate(weight.placements)]
+        (rows_here, *_), (start, *_) = ti.local_shape_and_offset(weight, chunked)
+        grad_placements[vocab_mesh_dim] = ti.Partial()
+        local_weight = weight.to_local(grad_placements=grad_placements)[start : start + rows_here]
+    else:
+        start = ti.local_offset(weight)[0]
+        local_weight = weight.to_local(grad_placements=grad_placements)
+        rows_here = local_weight.shape[0]
     local_ids = ids.to_local()
-    rows_here = local_weight.shape[0]
     outside = (local_ids < start) | (local_ids >= start + rows_here)
     # the padding row is a row of one rank's shard (padding_idx is normalized to [0, vocabulary) by the symbol)
     local_padding = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < rows_here else None
@@ -64,6 +86,26 @@ def _vocab_parallel_embedding(
 
 dtensor_vocab_parallel_embedding_prim = define_dtensor_prim("vocab_parallel_embedding", _vocab_parallel_embedding)
 
+#: the lookup DTensor's rule makes vocab-parallel by itself (``_masked_by_eager``): the same lookup, its table
+#: gradient eager's own backward op on the cotangent that flows (eager's placements: the rule chose the layout)
+dtensor_masked_lookup_prim = define_dtensor_prim("masked_lookup", _vocab_parallel_embedding)
+
+
+def _embedding_dense_backward(g: Any, ids: Any, rows: int, padding_idx: int, scale_grad_by_freq: bool) -> Any:
+    return torch.ops.aten.embedding_dense_backward(g, ids, rows, padding_idx, scale_grad_by_freq)
+
+
+dtensor_embedding_dense_backward_prim = define_dtensor_prim(
+    "embedding_dense_backward", _embedding_dense_backward, differentiable=False
+)
+
+
+@define_vjp(dtensor_masked_lookup_prim)
+def _masked_lookup_vjp(g, out, ids, weight, vocab_mesh_dim, padding_idx=None, scale_grad_by_freq=False):
+    padding = -1 if padding_idx is None else padding_idx
+    grad = dtensor_embedding_dense_backward_prim(g, ids, weight.shape[0], padding, scale_grad_by_freq)
+    return (None, grad, None, None, None)
+
 
 def _vocab_mesh_dim(ids: Any, weight: Any) -> int | None:
     if (
@@ -79,8 +121,64 @@ def _vocab_mesh_dim(ids: Any, weight: Any) -> int | None:
     return dim if isinstance(ids.placements[dim], ti.Replicate) else None
 
 
+def _masked_by_eager(ids: Any, weight: Any) -> tuple[int, Any, Any] | None:
+    """Where eager's rule makes the lookup a masked one itself: (the mesh dim, the ids and table it looks up).
+
+    DTensor may choose a vocab-parallel lookup for a table that is not vocab-sharded (a free ``Replicate ->
+    Shard(0)`` on a mesh dim, seen on a 2x2 mesh: fuzz seeds 6121, 10371). Its output's ``_MaskPartial`` holds the
+    mask of one call (its equality includes the mask buffer's identity), which a trace cannot keep. The same
+    lookup is made explicit instead: the ids ``Replicate`` on that mesh dim, the table gathered on the others as
+    eager's rule does inside the op, then the lookup (``dtensor_masked_lookup_prim``), whose output places as
+    eager's does (checked) and whose table gradient is eager's backward op's, placements included.
+    """
+    both = isinstance(ids, DTensorProxy) and isinstance(weight, DTensorProxy)
+    if not both or ids.device_mesh != weight.device_mesh:
+        return None
+    try:
+        eager = propagated_fakes("embedding_eager_placements", F.embedding, (ids, weight), {}).placements
+    except DTensorOpError:
+        return None  # the fallback prim raises DTensor's rejection
+    masked = [i for i, p in enumerate(eager) if p.is_partial() and type(p).__name__ == "_MaskPartial"]
+    if len(masked) != 1:
+        return None
+    dim = masked[0]
+    on_dim = weight.placements[dim]
+    if not (on_dim.is_replicate() or (isinstance(on_dim, ti.Shard) and on_dim.dim == 0)):
+        return None
+    ids_placements = [ti.Replicate() if i == dim else p for i, p in enumerate(ids.placements)]
+    ours = [MaskPartial("sum", tuple(weight.shape), 0) if i == dim else p for i, p in enumerate(ids_placements)]
+    if tuple(ours) != tuple(as_traced_placement(p) for p in eager):
+        return None
+    redistribute = dtensor_callable_for(ti.DTensor.redistribute)
+    ti.check(redistribute is not None, lambda: "DTensor.redistribute has no dtensor symbol registered")
+    ids = cast(Callable, redistribute)(ids, ids.device_mesh, ids_placements)
+    table_placements = tuple(on_dim if i == dim else ti.Replicate() for i in range(weight.device_mesh.ndim))
+    if table_placements != tuple(weight.placements):
+        weight = dtensor_table_as_looked_up_prim(weight, table_placements)
+    return dim, ids, weight
+
+
+def _table_as_looked_up(table: Any, placements: tuple) -> Any:
+    return table.redistribute(table.device_mesh, placements)
+
+
+#: the table redistributed as eager's lookup does inside the op, below autograd: its gradient is not redistributed
+#: back (it keeps the placements the lookup's backward gives it, as eager's)
+dtensor_table_as_looked_up_prim = define_dtensor_prim("table_as_looked_up", _table_as_looked_up)
+
+
+@define_vjp(dtensor_table_as_looked_up_prim)
+def _table_as_looked_up_vjp(g, out, table, placements):
+    return (g, None)
+
+
 def _lookup(ids: Any, weight: Any, padding_idx: Any, max_norm: Any, norm_type: Any, scale: bool, sparse: bool) -> Any:
     mesh_dim = _vocab_mesh_dim(ids, weight)
+    lookup = dtensor_vocab_parallel_embedding_prim
+    if mesh_dim is None and max_norm is None and not sparse:
+        masked = _masked_by_eager(ids, weight)
+        if masked is not None:
+            (mesh_dim, ids, weight), lookup = masked, dtensor_masked_lookup_prim
     if mesh_dim is not None and max_norm is None and not sparse:
         if padding_idx is not None:  # F.embedding's own check and normalization of a negative index
             vocabulary = weight.shape[0]
@@ -90,7 +188,7 @@ def _lookup(ids: Any, weight: Any, padding_idx: Any, max_norm: Any, norm_type: A
                 exception_type=AssertionError,
             )
             padding_idx = padding_idx % vocabulary
-        return dtensor_vocab_parallel_embedding_prim(ids, weight, mesh_dim, padding_idx, scale)
+        return lookup(ids, weight, mesh_dim, padding_idx, scale)
     return fallback_prim(F.embedding)(ids, weight, padding_idx, max_norm, norm_type, scale, sparse)
 
 

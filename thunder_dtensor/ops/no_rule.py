@@ -230,13 +230,15 @@ def call_or_rewrite(
     replicated_source: Callable,
     differentiable: bool,
     distrust: str | None = None,
+    quiet: bool = False,
 ) -> Any:
     """``prim(*args, **kwargs)``; if DTensor rejects it, the decomposed op, else the replicated last resort.
 
     ``source`` is the op as a torch function (traced on plain tensors to decompose it) and
     ``replicated_source`` the op on replicated inputs; ``name`` names the rewritten prims and identifies the
     op in caches, so it must always come with the same ``source``. ``distrust`` (a reason) says DTensor's
-    rules accept the op but compute it wrongly: it then runs replicated without trying the others.
+    rules accept the op but compute it wrongly: it then runs replicated without trying the others. ``quiet``:
+    a provisional call (a vjp on a stand-in cotangent, decided again later), neither warned about nor recorded.
     """
     flat, tree = ti.torch_tree_flatten((args, kwargs))
     reasons = []
@@ -269,7 +271,8 @@ def call_or_rewrite(
         program_kwargs = {**kwargs, "dtensor_program": program}
         _check_traces(decomposed, _decomposed, args, program_kwargs)
         out = decomposed(*args, **program_kwargs)
-        _record(name, "decomposition")
+        if not quiet:
+            _record(name, "decomposition")
         return out
     except (_NotRewritable, DTensorOpError) as e:
         reasons.append(f"not decomposable: {first_line(e)}")
@@ -292,10 +295,11 @@ def call_or_rewrite(
         else:
             reasons.append(f"not run replicated: {first_line(e)}")
         raise _with_reasons(original, reasons) from original.__cause__  # DTensor's own rejection
-    _record(name, "replicated fallback")
-    warn_replicated_fallback(
-        fallback.name, args, kwargs, distrust or f"DTensor has no sharding rule for {name} on these inputs"
-    )
+    if not quiet:
+        _record(name, "replicated fallback")
+        warn_replicated_fallback(
+            fallback.name, args, kwargs, distrust or f"DTensor has no sharding rule for {name} on these inputs"
+        )
     return out
 
 

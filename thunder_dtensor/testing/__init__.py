@@ -414,6 +414,20 @@ def same_placements(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(as_traced_placement(pa) == as_traced_placement(pb) for pa, pb in zip(a, b))
 
 
+def table_gradient_placements_accepted(mine: Sequence[Any], eager: Sequence[Any], table: Sequence[Any]) -> bool:
+    """Whether an embedding table's gradient is placed as the package decides, or as eager places it.
+
+    A vocab-sharded table gets its gradient in the table's placements on each mesh dim, except ``Partial`` where
+    eager's is ``Partial`` (the ids sharded over a mesh dim the table is replicated on: each rank holds its own ids'
+    rows).
+    """
+    if same_placements(mine, eager):
+        return True
+    return len(mine) == len(table) == len(eager) and all(
+        same_placements([m], [t]) or (m.is_partial() and e.is_partial()) for m, e, t in zip(mine, eager, table)
+    )
+
+
 def _as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 

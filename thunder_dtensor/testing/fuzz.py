@@ -123,6 +123,7 @@ import torch.nn.functional as F
 import thunder_dtensor  # noqa: F401  (before thunder)
 import thunder
 from thunder_dtensor.testing import init_distributed, make_full, mesh_1d, mesh_2d, same_placements
+from thunder_dtensor.testing import table_gradient_placements_accepted
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 """
 
@@ -193,8 +194,8 @@ class Step:
     defines: str = ""
     #: the inputs the step writes into (``F.embedding(..., max_norm=...)`` renormalizes the table's rows)
     writes: tuple[str, ...] = ()
-    #: the embedding tables the step looks up in: a vocab-sharded one's gradient may keep the table's placements (the
-    #: package's decision; eager's is the full gradient, Replicate or Partial as it flows)
+    #: the embedding tables the step looks up in: a vocab-sharded one's gradient keeps the table's placements, Partial
+    #: where eager's is (the package's decision; eager's is Replicate or Partial as it flows)
     tables: tuple[str, ...] = ()
     #: an expression, evaluated on the plain values before the step, that must hold for the program to be drawn:
     #: the values a comparison reads are far from its threshold, so that no rounding difference flips it
@@ -243,8 +244,9 @@ class Program:
         return tuple(k for k, i in enumerate(self.inputs) if i.name in names)
 
     @property
-    def vocab_tables(self) -> tuple[int, ...]:
-        """The indices of the vocab-sharded embedding tables: their gradients keep the tables' placements."""
+    def tables(self) -> tuple[int, ...]:
+        """The indices of the vocab-sharded embedding tables: their gradients keep the tables' placements, Partial
+        where eager's is (``table_gradient_placements_accepted``)."""
         names = {n for s in self.steps for n in s.tables}
         return tuple(k for k, i in enumerate(self.inputs) if i.name in names and "S0" in i.placements)
 
@@ -335,7 +337,7 @@ SPECS = [  # full shape, make_full seeds (first call, second call), placements, 
 ]
 NUMBERS = {list(self.numbers)!r}  # the numbers the program reads with .item(), returned beside its output
 WRITTEN = {list(self.written)!r}  # the inputs it writes into (max_norm): compared after the call
-VOCAB_TABLES = {list(self.vocab_tables)!r}  # vocab-sharded tables: the gradient keeps the table's placements
+TABLES = {list(self.tables)!r}  # vocab-sharded tables: the gradient keeps their placements (Partial where eager's is)
 COTANGENT_SEEDS = ({self.cotangent_seed}, {_second_seed(self.cotangent_seed)})
 RTOL, ATOL = {tol["rtol"]}, {tol["atol"]}
 
@@ -402,8 +404,10 @@ for call in range(2):  # one compiled function, two calls: the same specs, other
             torch.testing.assert_close(x.grad.full_tensor(), full.grad, rtol=RTOL, atol=ATOL)
             if eager is not None:
                 print(f"grad {{i}} placements: thunder", x.grad.placements, "eager", eager_inputs[i].grad.placements)
-                wanted = [eager_inputs[i].grad.placements] + ([x.placements] if i in VOCAB_TABLES else [])
-                same = any(same_placements(x.grad.placements, w) for w in wanted)
+                mine, theirs = x.grad.placements, eager_inputs[i].grad.placements
+                same = same_placements(mine, theirs) or (
+                    i in TABLES and table_gradient_placements_accepted(mine, theirs, x.placements)
+                )
                 assert same, f"grad {{i}} placements"{retrace_check}
 print("no failure reproduced")
 '''
@@ -1783,7 +1787,7 @@ def _judge(
     plain thunder whether it refuses the plain program too).
     """
     from thunder_dtensor.errors import DataDependentValueError, DTensorOpError
-    from thunder_dtensor.testing import same_placements
+    from thunder_dtensor.testing import same_placements, table_gradient_placements_accepted
 
     at = "" if call == 0 else _SECOND
     eager_ran = eager.error is None and not eager.not_dtensor
@@ -1881,9 +1885,13 @@ def _judge(
             eager_reference = not forward_wrong and where not in eager_wrong and not eager.derived_attention
             if eager.backward_ran and eager.grad_placements[i] is not None and eager_reference:
                 mine, theirs = got.grad_placements[i], eager.grad_placements[i]
-                # a vocab-sharded table's gradient may keep the table's placements (the package's decision)
-                own = tuple(_placement_object(p) for p in spec.placements) if i in program.vocab_tables else None
-                if mine is None or not (same_placements(mine, theirs) or (own and same_placements(mine, own))):
+                # a vocab-parallel lookup's table gradient keeps the table's placements (the package's decision)
+                own = tuple(_placement_object(p) for p in spec.placements) if i in program.tables else None
+                accepted = mine is not None and (
+                    same_placements(mine, theirs)
+                    or (own is not None and table_gradient_placements_accepted(mine, theirs, own))
+                )
+                if not accepted:
                     detail = f"gradient placements {_fmt(mine)} vs eager {_fmt(theirs)}"
                     failures.append(Failure(mode, "grad-placement-mismatch", at + where, detail))
     return ("failed" if failures else "matched"), failures

@@ -971,7 +971,7 @@ def test_vocab_parallel_lookups_on_a_2d_mesh(fn, placements, table_gradient, low
     Found on the way, a silently wrong gradient: with the ids sharded over a mesh dim the table is replicated on
     (a vocab-sharded table, batch-sharded ids), each rank's table gradient held its own ids' rows and was called
     ``Replicate``; it is ``Partial`` there, as eager's. A vocab-sharded table's gradient keeps ``Shard(0)`` on the
-    vocabulary's mesh dim (the package's decision; eager's is ``Partial``)."""
+    vocabulary's mesh dim (the package's decision; eager's is table-sized there, ``Partial`` here)."""
     inputs = [make_full((5, 6), seed=120, dtype=torch.int64, int_high=8), make_full((8, 4), seed=121)]
     case = DTensorCase(fn, inputs, list(placements), requires_grad=[False, True], mesh=mesh_2d(2))
     run_case(
@@ -980,3 +980,49 @@ def test_vocab_parallel_lookups_on_a_2d_mesh(fn, placements, table_gradient, low
         compare_eager=eager_error(case) is None,
         own_grad_placements=None if table_gradient is None else {1: table_gradient},
     )
+
+
+def _counted_lookup_with_padding(ids, table):
+    return F.embedding(ids, table, padding_idx=2, scale_grad_by_freq=True) * 2
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_lookup_in_a_table_sharded_over_its_vocabulary_and_its_embedding_dim(lowering):
+    """Fuzz seed 10443 (4 ranks, a 2x2 mesh): a table placed ``(S(0), S(1))`` (the vocabulary over one mesh dim, the
+    embedding dim over the other), frequency-scaled with a padding row. The jit ran eager's masked lookup, whose
+    backward raised an empty ``AssertionError`` on the fuzzer's program (after a write into a view); here the jit
+    placed the table's gradient ``(R, S(1))``, neither eager's nor the table's. Such a table is now the
+    vocab-parallel lookup's (its output ``Shard`` over the embedding dim where the table is ``Shard(1)``), its
+    gradient in the table's placements (the package's decision; eager's is ``(P, S(1))`` here)."""
+    inputs = [make_full((6,), seed=130, dtype=torch.int64, int_high=8), make_full((8, 4), seed=131)]
+    placements = [[Replicate(), Replicate()], [Shard(0), Shard(1)]]
+    case = DTensorCase(_counted_lookup_with_padding, inputs, placements, requires_grad=[False, True], mesh=mesh_2d(2))
+    run_case(
+        case,
+        jit_kwargs={"dtensor_lowering": lowering},
+        compare_eager=eager_error(case) is None,
+        own_grad_placements={1: [Shard(0), Shard(1)]},
+    )
+
+
+@pytest.mark.world_size(4)
+def test_a_lookup_in_a_table_sharded_both_ways_under_thunderfx():
+    """Fuzz seed 10519 (4 ranks, a 2x2 mesh, thunderfx): a table placed ``(S(1), S(0))``: thunderfx's splitter
+    compiled the lookup's region with inductor, whose tangent coercion met eager's ``_MaskPartial`` (``Attempting
+    to use FunctionalTensor on its own``). The lookup is the vocab-parallel prim now, which thunder takes."""
+    from thunder.dynamo import thunderfx
+
+    full_ids, full_table = make_full((5,), seed=140, dtype=torch.int64, int_high=5), make_full((5, 2), seed=141)
+    reference = full_table.clone().requires_grad_()
+    expected = _counted_lookup_with_padding(full_ids, reference)
+    expected.backward(torch.ones_like(expected))
+    compiled = thunderfx(_counted_lookup_with_padding)
+    for call in range(2):
+        ids = distribute_tensor(full_ids, mesh_2d(2), [Replicate(), Replicate()])
+        table = distribute_tensor(full_table, mesh_2d(2), [Shard(1), Shard(0)]).requires_grad_()
+        out = compiled(ids, table)
+        torch.testing.assert_close(out.full_tensor(), expected.detach(), msg=f"call {call}")
+        ones = distribute_tensor(torch.ones(out.shape), mesh_2d(2), [Replicate(), Replicate()])
+        out.backward(ones.redistribute(mesh_2d(2), [Replicate() if p.is_partial() else p for p in out.placements]))
+        torch.testing.assert_close(table.grad.full_tensor(), reference.grad, msg=f"call {call}")

@@ -7,6 +7,11 @@ vocabulary range and contributes zeros for the rest: the output is a sum pending
 result as eager does (DTensor's rules reduce a masked partial before a pointwise op). ``padding_idx`` keeps the
 gradient of its row zero on the rank that holds the row; ``scale_grad_by_freq`` counts only the ids of the
 rank's own range. ``max_norm`` and ``sparse`` take eager DTensor's rules (a prim per op, as for other layouts).
+On a 2-D mesh the table may also be sharded over its embedding dim on another mesh dim (the output is sharded
+there too), and ids sharded over a mesh dim the table is replicated on make the table's gradient ``Partial``
+there. Where DTensor's own rule looks up vocab-parallel in a table that is not vocab-sharded (``_masked_by_eager``),
+the same lookup is made explicit, with eager's output and gradient placements: eager's ``_MaskPartial`` holds one
+call's mask and cannot be kept by a trace.
 
 ``scale_grad_by_freq`` with sharded ids and a table that takes a gradient: eager DTensor scales each shard's
 gradient by that shard's own counts of the ids, and sums the shards: a wrong weight gradient (fuzz seeds 1072,
@@ -69,8 +74,7 @@ def _vocab_parallel_embedding(
     else:
         rows = F.embedding(torch.where(outside, 0, local_ids - start), local_weight, local_padding)
         rows = torch.where(outside.unsqueeze(-1), 0.0, rows)
-    masked = MaskPartial("sum", tuple(weight.shape), 0)
-    placements = [masked if i == vocab_mesh_dim else p for i, p in enumerate(ids.placements)]
+    placements = _lookup_placements(ids, weight, vocab_mesh_dim)
     shape = tuple(ids.shape) + (weight.shape[1],)
     stride = contiguous_stride(shape)
     # (torch annotates ``shape`` as a torch.Size; it takes a tuple of ints)
@@ -107,18 +111,37 @@ def _masked_lookup_vjp(g, out, ids, weight, vocab_mesh_dim, padding_idx=None, sc
     return (None, grad, None, None, None)
 
 
+def _lookup_placements(ids: Any, weight: Any, vocab_mesh_dim: int) -> list:
+    """The vocab-parallel lookup's output placements: the masked sum on the vocabulary's mesh dim, the embedding dim
+    sharded where the table's is (``Shard(1)``: the ids are replicated there), the ids' placements elsewhere."""
+    out_dim = len(ids.shape)
+    return [
+        MaskPartial("sum", tuple(weight.shape), 0)
+        if i == vocab_mesh_dim
+        else ti.Shard(out_dim)
+        if isinstance(w, ti.Shard) and w.dim == 1
+        else p
+        for i, (p, w) in enumerate(zip(ids.placements, weight.placements))
+    ]
+
+
 def _vocab_mesh_dim(ids: Any, weight: Any) -> int | None:
+    """The mesh dim a vocab-parallel lookup runs over: the table ``Shard(0)`` there and the ids ``Replicate``; on
+    every other mesh dim the table replicated or sharded over its embedding dim (``Shard(1)``, the ids replicated
+    there: a 2-D mesh's table sharded both ways). None where the lookup is not vocab-parallel."""
     if (
         not (isinstance(ids, DTensorProxy) and isinstance(weight, DTensorProxy))
         or ids.device_mesh != weight.device_mesh
     ):
         return None
     vocab_dims = [i for i, p in enumerate(weight.placements) if isinstance(p, ti.Shard) and p.dim == 0]
-    others_replicated = all(isinstance(p, ti.Replicate) for i, p in enumerate(weight.placements) if i not in vocab_dims)
-    if len(vocab_dims) != 1 or not others_replicated:
+    if len(vocab_dims) != 1 or not ids.placements[vocab_dims[0]].is_replicate():
         return None
-    dim = vocab_dims[0]
-    return dim if isinstance(ids.placements[dim], ti.Replicate) else None
+    for w, i in zip(weight.placements, ids.placements):
+        column_sharded = isinstance(w, ti.Shard) and w.dim == 1 and i.is_replicate()
+        if not (w.is_replicate() or column_sharded or (isinstance(w, ti.Shard) and w.dim == 0)):
+            return None
+    return vocab_dims[0]
 
 
 def _masked_by_eager(ids: Any, weight: Any) -> tuple[int, Any, Any] | None:
@@ -146,13 +169,13 @@ def _masked_by_eager(ids: Any, weight: Any) -> tuple[int, Any, Any] | None:
     if not (on_dim.is_replicate() or (isinstance(on_dim, ti.Shard) and on_dim.dim == 0)):
         return None
     ids_placements = [ti.Replicate() if i == dim else p for i, p in enumerate(ids.placements)]
+    table_placements = tuple(on_dim if i == dim else ti.Replicate() for i in range(weight.device_mesh.ndim))
     ours = [MaskPartial("sum", tuple(weight.shape), 0) if i == dim else p for i, p in enumerate(ids_placements)]
     if tuple(ours) != tuple(as_traced_placement(p) for p in eager):
         return None
     redistribute = dtensor_callable_for(ti.DTensor.redistribute)
     ti.check(redistribute is not None, lambda: "DTensor.redistribute has no dtensor symbol registered")
     ids = cast(Callable, redistribute)(ids, ids.device_mesh, ids_placements)
-    table_placements = tuple(on_dim if i == dim else ti.Replicate() for i in range(weight.device_mesh.ndim))
     if table_placements != tuple(weight.placements):
         weight = dtensor_table_as_looked_up_prim(weight, table_placements)
     return dim, ids, weight

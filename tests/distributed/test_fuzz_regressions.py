@@ -1026,3 +1026,29 @@ def test_a_lookup_in_a_table_sharded_both_ways_under_thunderfx():
         ones = distribute_tensor(torch.ones(out.shape), mesh_2d(2), [Replicate(), Replicate()])
         out.backward(ones.redistribute(mesh_2d(2), [Replicate() if p.is_partial() else p for p in out.placements]))
         torch.testing.assert_close(table.grad.full_tensor(), reference.grad, msg=f"call {call}")
+
+
+def _write_into_a_row_of_an_uneven_shard(x, o):
+    y = x.clone()
+    v = y[0:1]
+    v.mul_(o)
+    return y * v.mean()
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_write_into_a_view_of_a_dim_sharded_over_more_ranks_than_rows(lowering):
+    """Fuzz seed 10570 (4 ranks): ``x`` of 2 rows placed ``Shard(0)`` over 4 ranks, a write into a view of one row
+    of its clone. The functional write's new value is put back in the clone's placements by a ``copy_``, and
+    DTensor (torch 2.13) has no ``copy_`` strategy into a dim sharded over more ranks than it has rows from another
+    placement (a ``DTensorOpError`` in both modes, where eager ran, with other values than plain torch's). Such a
+    value is redistributed to the destination's placements instead."""
+    inputs = [make_full((2, 4), seed=150), make_full((1, 4), seed=151)]
+    case = DTensorCase(
+        _write_into_a_row_of_an_uneven_shard,
+        inputs,
+        [[Shard(0)], [Replicate()]],
+        requires_grad=[True, True],
+        mesh=mesh_1d(),
+    )
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering}, compare_eager=False)

@@ -67,6 +67,7 @@ from thunder_dtensor.primitive import (
     define_marker_prim,
     define_vjp,
     propagate_on_fake_dtensors,
+    propagated_fakes,
 )
 from thunder_dtensor.proxy import DTensorProxy
 
@@ -96,11 +97,12 @@ def _copy_into(src: Any, dst: Any, *, grad_enabled: bool) -> Any:
     return dst.copy_(src)
 
 
-def _copy_meta(src: Any, dst: Any, *, grad_enabled: bool) -> Any:
-    def copy_on_fakes(src: Any, dst: Any) -> Any:
-        return dst.copy_(src)
+def _copy_on_fakes(src: Any, dst: Any) -> Any:
+    return dst.copy_(src)
 
-    return propagate_on_fake_dtensors("dtensor_copy__prim", copy_on_fakes, (src, dst), {})
+
+def _copy_meta(src: Any, dst: Any, *, grad_enabled: bool) -> Any:
+    return propagate_on_fake_dtensors("dtensor_copy__prim", _copy_on_fakes, (src, dst), {})
 
 
 def _define_copy_prim() -> ti.Symbol:
@@ -429,7 +431,18 @@ def _in_placements_of(value: DTensorProxy, like: DTensorProxy) -> DTensorProxy:
 
 def _copied(src: Any, like: DTensorProxy) -> DTensorProxy:
     """``src`` as ``like.copy_(src)`` writes it (``like``'s spec; eager's copy_ gradient: the destination's
-    placements, reduced to the source's shape and dtype), into a new DTensor."""
+    placements, reduced to the source's shape and dtype), into a new DTensor.
+
+    DTensor (torch 2.13) has no ``copy_`` strategy into a dim sharded over more ranks than it has rows (2 rows over
+    4 ranks) from other placements (fuzz seed 10570, a write into a view of such a tensor): the value is then
+    redistributed to ``like``'s placements (its gradient comes back in ``src``'s)."""
+    try:
+        propagated_fakes("dtensor_copy__prim", _copy_on_fakes, (src, like), {})
+    except DTensorOpError as error:
+        if "require placement changes" not in str(error) or not isinstance(src, DTensorProxy):
+            raise
+        moved = _dtensor_call(ti.DTensor.redistribute, src, src.device_mesh, list(like.placements))
+        return moved if moved.dtype == like.dtype else _dtensor_call(torch.Tensor.to, moved, like.dtype)
     return dtensor_copy__prim(src, _dtensor_call(torch.empty_like, like), grad_enabled=False)
 
 

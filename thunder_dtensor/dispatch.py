@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.primitive import PRIMS
@@ -20,6 +20,7 @@ __all__ = [
     "DISPATCH_TABLE",
     "METHOD_TABLE",
     "DTensorRoute",
+    "call_for_dtensor",
     "register_function_for_dtensor",
     "register_method_for_dtensor",
 ]
@@ -109,6 +110,14 @@ def dtensor_callable_for(fn: Any) -> Callable | None:
         route = DTensorRoute(_unknown_function_route(fn))
         _add_entry(fn, route)
     return None if route is None else route.dtensor_symbol
+
+
+def call_for_dtensor(torch_fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch_fn(*args, **kwargs)`` as a DTensor program calls it (its dtensor symbol), for rules that emit torch
+    calls on DTensors themselves (``x.redistribute(...)``, ``torch.empty_like(x)``)."""
+    symbol = dtensor_callable_for(torch_fn)
+    ti.check(symbol is not None, lambda: f"{torch_fn} has no dtensor route")
+    return cast(Callable, symbol)(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -22,11 +22,10 @@ batch, would be counted per shard the same way (seed 5147): it is made Replicate
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.dispatch import dtensor_callable_for, register_function_for_dtensor
+from thunder_dtensor.dispatch import call_for_dtensor, register_function_for_dtensor
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.ops.fallback import fallback_prim
 from thunder_dtensor.primitive import (
@@ -158,10 +157,10 @@ def _masked_by_eager(ids: Any, weight: Any) -> tuple[int, Any, Any] | None:
     if not both or ids.device_mesh != weight.device_mesh:
         return None
     try:
-        eager = propagated_fakes("embedding_eager_placements", F.embedding, (ids, weight), {}).placements
+        eager = _eager_lookup_placements(ids, weight)
     except DTensorOpError:
         return None  # the fallback prim raises DTensor's rejection
-    masked = [i for i, p in enumerate(eager) if p.is_partial() and type(p).__name__ == "_MaskPartial"]
+    masked = [i for i, p in enumerate(eager) if isinstance(p, MaskPartial)]
     if len(masked) != 1:
         return None
     dim = masked[0]
@@ -171,11 +170,9 @@ def _masked_by_eager(ids: Any, weight: Any) -> tuple[int, Any, Any] | None:
     ids_placements = [ti.Replicate() if i == dim else p for i, p in enumerate(ids.placements)]
     table_placements = tuple(on_dim if i == dim else ti.Replicate() for i in range(weight.device_mesh.ndim))
     ours = [MaskPartial("sum", tuple(weight.shape), 0) if i == dim else p for i, p in enumerate(ids_placements)]
-    if tuple(ours) != tuple(as_traced_placement(p) for p in eager):
+    if tuple(ours) != eager:
         return None
-    redistribute = dtensor_callable_for(ti.DTensor.redistribute)
-    ti.check(redistribute is not None, lambda: "DTensor.redistribute has no dtensor symbol registered")
-    ids = cast(Callable, redistribute)(ids, ids.device_mesh, ids_placements)
+    ids = call_for_dtensor(ti.DTensor.redistribute, ids, ids.device_mesh, ids_placements)
     if table_placements != tuple(weight.placements):
         weight = dtensor_table_as_looked_up_prim(weight, table_placements)
     return dim, ids, weight
@@ -264,14 +261,14 @@ def dtensor_embedding(
     # the counts must be the whole batch's: a lookup of replicated ids (the vocab-parallel one where the table is
     # vocab-sharded, fuzz seed 5832), placed as eager places the lookup of the ids as given
     eager_placements = _eager_lookup_placements(ids, weight)
-    redistribute = dtensor_callable_for(ti.DTensor.redistribute)
-    replicated = redistribute(ids, ids.device_mesh, [ti.Replicate()] * ids.device_mesh.ndim)
+    mesh = ids.device_mesh
+    replicated = call_for_dtensor(ti.DTensor.redistribute, ids, mesh, [ti.Replicate()] * mesh.ndim)
     out = dtensor_counted_over_the_batch_prim(
         _lookup(replicated, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse), ids.ndim
     )
     if tuple(out.placements) == eager_placements or any(p.is_partial() for p in eager_placements):
         return out
-    return redistribute(out, out.device_mesh, list(eager_placements))
+    return call_for_dtensor(ti.DTensor.redistribute, out, out.device_mesh, list(eager_placements))
 
 
 register_function_for_dtensor(F.embedding, dtensor_embedding)

@@ -42,7 +42,7 @@ from typing import Any
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import (
     DISPATCH_TABLE,
-    dtensor_callable_for,
+    call_for_dtensor,
     register_function_for_dtensor,
     register_method_for_dtensor,
     route_method,
@@ -216,7 +216,7 @@ def _setitem_(a: Any, key: Any, value: Any) -> Any:
     ``fill_``), which the functional rewrite writes back into ``a`` (plain torch's values), as for any write into
     such a view."""
     if isinstance(a, DTensorProxy) and _is_basic_index(key):
-        view = _dtensor_call(torch.Tensor.__getitem__, a, key)
+        view = call_for_dtensor(torch.Tensor.__getitem__, a, key)
         if view.device_mesh == a.device_mesh and _gathered(view, a):
             if isinstance(value, ti.TensorProxy):
                 return INPLACE_SYMBOLS["copy_"](view, value)
@@ -404,12 +404,6 @@ def _register_inplace_dropout() -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Writes into views whose gradients matter, made functional (``_integration/functionalize.py``)
 # ---------------------------------------------------------------------------------------------------------
-def _dtensor_call(torch_fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    symbol = dtensor_callable_for(torch_fn)
-    assert symbol is not None, torch_fn  # (every torch function the rewrite calls has a route)
-    return symbol(*args, **kwargs)
-
-
 def _dtensor_view_name(bsym: ti.BoundSymbol) -> str | None:
     """The torch name of the view a dtensor bound symbol takes (``getitem``, ``t``, ``mT``), or None."""
     if not ti.may_return_views(bsym.sym):
@@ -441,9 +435,9 @@ def _copied(src: Any, like: DTensorProxy) -> DTensorProxy:
     except DTensorOpError as error:
         if "require placement changes" not in str(error) or not isinstance(src, DTensorProxy):
             raise
-        moved = _dtensor_call(ti.DTensor.redistribute, src, src.device_mesh, list(like.placements))
-        return moved if moved.dtype == like.dtype else _dtensor_call(torch.Tensor.to, moved, like.dtype)
-    return dtensor_copy__prim(src, _dtensor_call(torch.empty_like, like), grad_enabled=False)
+        moved = call_for_dtensor(ti.DTensor.redistribute, src, src.device_mesh, list(like.placements))
+        return moved if moved.dtype == like.dtype else call_for_dtensor(torch.Tensor.to, moved, like.dtype)
+    return dtensor_copy__prim(src, call_for_dtensor(torch.empty_like, like), grad_enabled=False)
 
 
 def _write_into_input(destination: DTensorProxy, value: DTensorProxy) -> Any:
@@ -520,17 +514,17 @@ def _written_view_cotangent(cotangent: Any, role: str) -> Any:
 
 def _slice_scatter_vjp(g, out, base, src, dim=0, start=None, end=None, step=1):
     # eager's backward of a write into a slice: the gradient with the slice zeroed, and the slice of it
-    grad_src = _dtensor_call(torch.Tensor.__getitem__, g, _slice_key(g.ndim, dim, start, end, step))
+    grad_src = call_for_dtensor(torch.Tensor.__getitem__, g, _slice_key(g.ndim, dim, start, end, step))
     return _written_view_cotangent(dtensor_zero_slice_prim(g, dim, start, end, step), "base"), grad_src
 
 
 def _select_scatter_vjp(g, out, base, src, dim, index):
     grad_base = _written_view_cotangent(dtensor_zero_select_prim(g, dim, index), "base")
-    return grad_base, _dtensor_call(torch.select, g, dim, index)
+    return grad_base, call_for_dtensor(torch.select, g, dim, index)
 
 
 def _diagonal_scatter_vjp(g, out, base, src, offset=0, dim1=0, dim2=1):
-    grad_src = _dtensor_call(torch.diagonal, g, offset, dim1, dim2)
+    grad_src = call_for_dtensor(torch.diagonal, g, offset, dim1, dim2)
     return _written_view_cotangent(dtensor_zero_diagonal_prim(g, offset, dim1, dim2), "base"), grad_src
 
 
@@ -547,7 +541,7 @@ def _written_value_vjp(g, out, a):
     # eager's backward of a write into a view (autograd's CopySlices) runs the write's own backward on a clone of
     # that view of the gradient: DTensor's clone reduces a Partial gradient (fuzz seeds 5340, 5433: the operand's
     # gradient Replicate, as eager's, not Partial)
-    return (_dtensor_call(torch.clone, g),)
+    return (call_for_dtensor(torch.clone, g),)
 
 
 dtensor_written_value_prim = define_marker_prim(
@@ -606,7 +600,7 @@ for _scatter, _vjp in (
 
 #: how writes into views of DTensors are made functional: the package's dtensor symbols
 DTENSOR_VIEW_WRITES = ti.ViewWriteEmitter(
-    call=_dtensor_call,
+    call=call_for_dtensor,
     view_name=_dtensor_view_name,
     write_into_input=_write_into_input,
     keep_layout=_in_placements_of,

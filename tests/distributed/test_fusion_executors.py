@@ -22,6 +22,7 @@ import thunder
 import torch
 import torch.nn as nn
 from thunder.core import dtypes
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -103,7 +104,10 @@ def test_torch_compile_executor_compiles_the_local_math_and_the_collectives_toge
     from thunder.executors.torch_compile import torch_compile_ex
 
     _, losses, grads = _train(None)
+    graphs = counters["stats"]["unique_graphs"]
     fused_jit, fused_losses, fused_grads = _train([torch_compile_ex, *thunder.get_default_executors()])
+    # inductor compiled the regions directly (compile_fused_regions_without_dynamo): dynamo captured nothing
+    assert counters["stats"]["unique_graphs"] == graphs
     _, eager_losses, eager_grads = _train(None, eager=True)
     for step in range(STEPS):  # the default executors: eager DTensor's values and placements
         torch.testing.assert_close(losses[step], eager_losses[step])
@@ -265,3 +269,28 @@ def test_thunderfx_fuses_a_lowered_backward_into_one_graph():
     (jitted,) = [fn for info in fused._backend.subgraph_infos for fn in info.thunder_compiled_fns]
     assert _regions(thunder.last_traces(jitted)[-1]) == 1
     assert _regions(thunder.last_backward_traces(jitted)[-1]) == 1, str(thunder.last_backward_traces(jitted)[-1])
+
+
+def _reduced_in_place(x: torch.Tensor) -> torch.Tensor:
+    local = (x * 2).to_local()
+    torch.distributed.all_reduce(local)  # as transformers' tensor parallelism reduces a row-parallel output
+    return local + 1
+
+
+@pytest.mark.world_size(2)
+def test_a_region_with_an_in_place_collective_is_compiled_by_torch_compile():
+    """A region holding c10d's in-place ``all_reduce`` (on a process group object, as thunder traces
+    ``torch.distributed.all_reduce``) keeps ``torch.compile``, which rewrites it into a functional collective:
+    inductor alone would be handed the process group (compile_fused_regions_without_dynamo refuses it)."""
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    full = torch.randn(4, 6, generator=torch.Generator().manual_seed(5))
+    x = distribute_tensor(full, mesh_1d(), [Shard(0)])
+    jitted = thunder.jit(_reduced_in_place, executors=[torch_compile_ex, *thunder.get_default_executors()])
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        expected = sum(full.chunk(2)) * 2 + 1
+        torch.testing.assert_close(jitted(x), expected)
+    assert counters["stats"]["unique_graphs"] > graphs
+    regions = [b for b in thunder.last_traces(jitted)[-1].bound_symbols if b.sym.name.startswith("TorchCompile")]
+    assert any("all_reduce" in s.sym.name for r in regions for s in r.subsymbols), regions

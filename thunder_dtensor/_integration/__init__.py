@@ -66,7 +66,9 @@ What is patched, and why:
   exception leaving an interpreted frame gets its traceback's frame without a busy wait
   (``make_exception_frames_without_a_busy_wait``);
   ``Symbol.bind`` reads each meta's signature once (``bind_symbols_with_cached_signatures``); thunder's
-  autograd bridge makes its meta dummy tensors with ``empty`` (``make_autograd_dummies_without_random_numbers``).
+  autograd bridge makes its meta dummy tensors with ``empty`` (``make_autograd_dummies_without_random_numbers``);
+  thunder's torch.compile executor compiles its regions with inductor, without dynamo
+  (``compile_fused_regions_without_dynamo``).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
@@ -198,6 +200,7 @@ from thunder_dtensor._integration.fixes.scoped_entries import consult_scoped_ent
 from thunder_dtensor._integration.fixes.speedups import (
     bind_symbols_with_cached_signatures,
     call_partials_outside_the_interpreter,
+    compile_fused_regions_without_dynamo,
     dispatch_module_calls_outside_the_interpreter,
     make_autograd_dummies_without_random_numbers,
     make_exception_frames_without_a_busy_wait,
@@ -489,6 +492,7 @@ __all__ += [
     "clamp_slices_as_torch_does",
     "call_partials_outside_the_interpreter",
     "call_proxy_conversions_whole",
+    "compile_fused_regions_without_dynamo",
     "consult_scoped_entries",
     "dispatch_module_calls_outside_the_interpreter",
     "fix_complex_gradients",

@@ -17,12 +17,14 @@ graph around the attention.
 from __future__ import annotations
 
 import inspect
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import METHOD_TABLE, dtensor_callable_for
+from thunder_dtensor.ops.losses import replaces_per_rank_means
 from thunder_dtensor.proxy import proxy_for_value
 from thunder_dtensor.sdpa_backends import is_sdpa_kernel_node
 from thunder_dtensor.signature import SignatureCache, Uncacheable, ambient_state, describe_value
@@ -122,9 +124,54 @@ def dtensor_node_support(node: torch.fx.Node) -> tuple[bool, str | None] | None:
     except Exception as e:  # the reason thunderfx records for the split
         return False, f"node {node.name} ({node.target}) on DTensors failed under thunder_dtensor: {e}"
     unlike = _placements_unlike_eager(node, out)
-    if unlike:  # dynamo recorded the code after this node for eager's placements: eager runs the node
+    if unlike and not _returns_an_exact_mean(node, out):
+        # dynamo recorded the code after this node for eager's placements: eager runs the node
         return False, f"node {node.name} ({node.target}): thunder_dtensor places {unlike}"
     return True, None
+
+
+#: what a returned loss may pass through on its way out (scaled by a number: ``loss / accumulation_steps``)
+_SCALINGS = frozenset({operator.mul, operator.truediv, operator.neg, torch.mul, torch.div, torch.neg})
+_SCALING_METHODS = frozenset({"mul", "div", "neg", "__mul__", "__rmul__", "__truediv__", "__neg__"})
+
+
+def _only_returned(node: torch.fx.Node) -> bool:
+    """Whether every use of ``node`` is the graph's output, directly or through scalings by numbers."""
+
+    def scales_it(user: torch.fx.Node) -> bool:
+        scaling = user.target in _SCALINGS if user.op == "call_function" else user.target in _SCALING_METHODS
+        others = [a for a in (*user.args, *user.kwargs.values()) if a is not node]
+        return (
+            user.op in ("call_function", "call_method")
+            and scaling
+            and all(isinstance(a, int | float) for a in others)
+            and _only_returned(user)
+        )
+
+    return bool(node.users) and all(user.op == "output" or scales_it(user) for user in node.users)
+
+
+def _returns_an_exact_mean(node: torch.fx.Node, out: Any) -> bool:
+    """A class-index mean loss that the graph only returns (scaled by a number, perhaps), placed as
+    ``ops/losses.py`` places it: the exact ``Partial(sum)`` where eager DTensor averages per-rank means (silently
+    wrong wherever the ranks' counts of counted targets differ: ``ignore_index`` padding, class weights). No code
+    dynamo recorded reads its placements, so it stays in thunder's graph; split out, it would run eager's mean."""
+    if node.op != "call_function" or not _only_returned(node):
+        return False
+    eager, ours = _output_placements(node, out)
+    return len(eager) == len(ours) == 1 and replaces_per_rank_means(node.target, eager[0], ours[0])
+
+
+def _output_placements(node: torch.fx.Node, out: Any) -> tuple[list[tuple], list[tuple]]:
+    """The placements dynamo recorded for each DTensor output of ``node`` (eager DTensor's) and those of ``out``
+    (the node traced by thunder_dtensor)."""
+    eager = [v for v in ti.torch_tree_flatten(node.meta.get("example_value"))[0] if isinstance(v, ti.DTensor)]
+    # torch's pytree: a value thunder's cannot flatten (a node reading ``x.device_mesh``) is a leaf
+    ours = [p for p in ti.torch_tree_flatten(out)[0] if isinstance(p, ti.TensorProxy) and hasattr(p, "placements")]
+    return (
+        [tuple(as_traced_placement(p) for p in e.placements) for e in eager],
+        [tuple(o.placements) for o in ours],
+    )
 
 
 def _placements_unlike_eager(node: torch.fx.Node, out: Any) -> str:
@@ -134,15 +181,12 @@ def _placements_unlike_eager(node: torch.fx.Node, out: Any) -> str:
     Dynamo runs the program's Python on eager's placements (``if x.placements[0].is_partial(): ...``), so the
     graph after a node holds only for eager's placements; a node thunder would place otherwise stays eager.
     """
-    eager = [v for v in ti.torch_tree_flatten(node.meta.get("example_value"))[0] if isinstance(v, ti.DTensor)]
-    # torch's pytree: a value thunder's cannot flatten (a node reading ``x.device_mesh``) is a leaf
-    ours = [p for p in ti.torch_tree_flatten(out)[0] if isinstance(p, ti.TensorProxy) and hasattr(p, "placements")]
+    eager, ours = _output_placements(node, out)
     if len(eager) != len(ours):
         return ""  # no one-to-one reading of the outputs (a method returning self, say): nothing to compare
-    for i, (e, o) in enumerate(zip(eager, ours)):
-        expected = tuple(as_traced_placement(p) for p in e.placements)
-        if expected != tuple(o.placements):
-            return f"output {i} {tuple(o.placements)} where eager DTensor places it {expected}"
+    for i, (expected, placed) in enumerate(zip(eager, ours)):
+        if expected != placed:
+            return f"output {i} {placed} where eager DTensor places it {expected}"
     return ""
 
 

@@ -1052,3 +1052,31 @@ def test_a_write_into_a_view_of_a_dim_sharded_over_more_ranks_than_rows(lowering
         mesh=mesh_1d(),
     )
     run_case(case, jit_kwargs={"dtensor_lowering": lowering}, compare_eager=False)
+
+
+def _flattened_after_a_gather(x, w, b):
+    y = F.linear(x, w, b)
+    y = y.redistribute(y.device_mesh, [Shard(0)]) if isinstance(y, DTensor) else y
+    y = y.flatten(0)
+    s = y[0].sum().item()
+    return s - y, s
+
+
+@pytest.mark.world_size(4)
+def test_a_lowered_shard_handed_to_eager_dtensor_is_contiguous_where_its_dtensor_is():
+    """Fuzz seed 10754 (4 ranks): the lowered redistribution of a linear's output to ``Shard(0)`` cut each rank's
+    rows out of a gathered buffer (a non-contiguous slice); a ``.item()`` then ends the lowered segment, and eager
+    DTensor's ``flatten`` of the wrapped shard (a ``view``) raised. A shard wrapped back into a DTensor whose global
+    layout is contiguous is made contiguous, as eager's shards are."""
+    fulls = [make_full((8, 4), seed=160), make_full((6, 4), seed=161), make_full((6,), seed=162)]
+    expected, expected_number = _flattened_after_a_gather(*fulls)
+    compiled = thunder.jit(_flattened_after_a_gather, dtensor_lowering=True)
+    for _ in range(2):
+        inputs = [
+            distribute_tensor(full, mesh_1d(), [placement])
+            for full, placement in zip(fulls, [Replicate(), Replicate(), Shard(0)])
+        ]
+        inputs[1] = DTensor.from_local(inputs[1].to_local() / 4, mesh_1d(), [Partial()])
+        out, number = compiled(*inputs)
+        torch.testing.assert_close(out.full_tensor(), expected)
+        assert number == pytest.approx(expected_number, rel=1e-5)

@@ -201,6 +201,41 @@ def test_mean_loss_over_a_batch_sharded_input_is_the_global_mean(loss, variant):
 
 
 @pytest.mark.world_size(2, 4)
+@pytest.mark.parametrize("scaled", [False, True], ids=["returned", "scaled"])
+def test_a_returned_mean_loss_is_the_global_mean_under_thunderfx(scaled):
+    """thunderfx splits out a node thunder places otherwise than eager (the code dynamo recorded after it reads
+    eager's placements) and runs it eagerly: for the mean loss, eager's average of per-rank means, wrong with
+    ignored targets (fuzz seed 10741). A loss the graph only returns, or scales by a number, stays in thunder."""
+    from thunder.dynamo import thunderfx
+
+    logits_full = make_full((8, 5), seed=7)
+    target_full = make_full((8,), seed=8, dtype=torch.int64, int_high=5)
+    target_full[:3] = 1  # rank 0 holds most of the ignored targets
+
+    def fn(x, t):
+        loss = F.cross_entropy(x, t, ignore_index=1)
+        return loss / 4 if scaled else loss
+
+    def inputs():
+        x = distribute_tensor(logits_full.clone(), mesh_1d(), [Shard(0)]).requires_grad_()
+        return x, distribute_tensor(target_full, mesh_1d(), [Shard(0)])
+
+    x_plain = logits_full.clone().requires_grad_()
+    expected = fn(x_plain, target_full)
+    expected.backward()
+    eager = fn(*inputs())
+    assert not torch.allclose(eager.full_tensor(), expected), "eager DTensor's mean is right here: no test"
+    compiled = thunderfx(fn)
+    for _ in range(2):
+        x, t = inputs()
+        out = compiled(x, t)
+        torch.testing.assert_close(out.full_tensor(), expected.detach())
+        out.full_tensor().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), x_plain.grad)
+    assert not [r for info in compiled._backend.subgraph_infos for r in info.split_reasons]
+
+
+@pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize(
     "fn, op, error, what",
     [

@@ -17,7 +17,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.primitive import to_torch_value
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
-from thunder_dtensor.spec import DTensorMeta
+from thunder_dtensor.spec import DTensorMeta, contiguous_stride
 
 import torch
 
@@ -149,7 +149,16 @@ def _unwrap(x: Any, spec: Any, contiguous: bool, *, placements: str = "") -> tor
 
 
 def _wrap(local: torch.Tensor, spec: Any, *, placements: str = "") -> Any:
+    if not local.is_contiguous() and _contiguous_globally(spec):
+        # a lowered view (a slice of a gathered buffer) where eager's shard of a contiguous DTensor is contiguous:
+        # eager ops after the boundary (a flatten's view) and the user's may rely on it (fuzz seed 10754)
+        local = local.contiguous()
     return ti.dtensor_around(local, spec)
+
+
+def _contiguous_globally(spec: Any) -> bool:
+    meta = spec.tensor_meta
+    return meta is not None and tuple(meta.stride) == contiguous_stride(tuple(meta.shape))
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from thunder_dtensor.proxy import DTensorProxy
 import torch
 import torch.nn.functional as F
 
-__all__ = ["mean_is_per_rank"]
+__all__ = ["mean_is_per_rank", "replaces_per_rank_means"]
 
 
 def mean_is_per_rank(torch_fn: Callable, args: tuple, kwargs: dict) -> bool:
@@ -42,6 +42,15 @@ def mean_is_per_rank(torch_fn: Callable, args: tuple, kwargs: dict) -> bool:
     return isinstance(out, ti.DTensor) and any(
         p.is_partial() and cast(ti.Partial, p).reduce_op == "avg" for p in out.placements
     )
+
+
+def replaces_per_rank_means(torch_fn: Any, eager: tuple, ours: tuple) -> bool:
+    """Whether ``ours`` (a call's output placements) are eager DTensor's ``eager`` for one of this module's
+    losses but for its ``Partial(avg)`` of per-rank means, which this module makes the exact ``Partial(sum)``."""
+    if torch_fn not in (F.nll_loss, F.cross_entropy):
+        return False
+    summed = tuple(ti.Partial("sum") if p.is_partial() and cast(ti.Partial, p).reduce_op == "avg" else p for p in eager)
+    return summed != tuple(eager) and summed == tuple(ours)
 
 
 def _to(x: Any, dtype: Any) -> Any:

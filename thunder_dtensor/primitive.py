@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
@@ -406,6 +407,75 @@ def _only_fake_tensors(out: Any) -> bool:
 class WrongShapeError(DTensorOpError):
     """DTensor's rules accept the op but give it a global shape torch does not (eager returns that shape too)."""
 
+    #: why the op runs replicated (``no_rule``): DTensor's rules accept it and compute it wrongly
+    distrust = "DTensor's sharding rules give it a wrong output shape (a torch DTensor bug)"
+
+
+class MisplacedViewError(WrongShapeError):
+    """DTensor's rules accept a reshape and give it placements that say each rank holds other elements than it
+    does (eager computes those wrong values too)."""
+
+    distrust = "DTensor's sharding rule places the reshaped elements on other ranks than hold them (a torch bug)"
+
+
+#: the reshapes whose output is the input's elements in row-major order (a view where strides allow)
+_RESHAPES = frozenset(
+    {
+        torch.reshape,
+        torch.flatten,
+        torch.unflatten,
+        torch.Tensor.view,
+        torch.Tensor.reshape,
+        torch.Tensor.flatten,
+        torch.Tensor.unflatten,
+        torch.Tensor.view_as,
+        torch.Tensor.reshape_as,
+    }
+)
+#: above this many elements the reshape's placements are not checked (an index tensor of that size per rank)
+_CHECKED_RESHAPE_NUMEL = 1 << 20
+
+
+def _held_indices(shape: tuple, placement: Any, ranks: int, rank: int) -> torch.Tensor:
+    """The row-major indices of the elements of a tensor of ``shape`` that ``rank`` holds under ``placement``
+    (a 1-D mesh of ``ranks``), in its local order: DTensor's own split of an index tensor."""
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    if not (placement.is_shard() or ti.is_strided_shard(placement)):  # (a strided shard is no Shard in 2.13)
+        return full.reshape(-1)
+    shards, _ = placement._split_tensor(full, ranks, with_padding=False, contiguous=True)
+    return shards[rank].reshape(-1) if rank < len(shards) else full.new_empty((0,))
+
+
+def _reshape_misplaced(torch_fn: Callable, args: tuple, out: Any) -> str:
+    """How DTensor's placements for a reshape of a strided shard on a 1-D mesh say each rank holds other elements
+    than it does ("" where they agree, or where this is not checked).
+
+    A torch DTensor bug found by the fuzzer (seed 10924): ``unflatten(0, (8, 14))`` of a ``_StridedShard(dim=0,
+    sf=7)`` of 112 elements is placed ``_StridedShard(dim=1, sf=7)``, and each rank's local tensor is then read
+    as elements it does not hold. A reshape keeps each rank's local elements in order, so the input's and the
+    output's placements must give every rank the same indices."""
+    x = args[0] if args else None
+    outs = [t for t in ti.torch_tree_flatten(out)[0] if isinstance(t, ti.DTensor)]
+    if torch_fn not in _RESHAPES or not isinstance(x, DTensorProxy) or len(outs) != 1:
+        return ""
+    before, after = x.meta.spec, ti.dtensor_spec(outs[0])
+    placements = (*before.placements, *after.placements)
+    numel = math.prod(tuple(x.shape))
+    if before.mesh.ndim != 1 or not any(ti.is_strided_shard(p) for p in placements):
+        return ""
+    if numel > _CHECKED_RESHAPE_NUMEL or numel != math.prod(tuple(outs[0].shape)):
+        return ""
+    ranks = before.mesh.size()
+    for rank in range(ranks):
+        held = _held_indices(tuple(x.shape), before.placements[0], ranks, rank)
+        claimed = _held_indices(tuple(outs[0].shape), after.placements[0], ranks, rank)
+        if not torch.equal(held, claimed):
+            return (
+                f"output placements {tuple(after.placements)} for a reshape of {tuple(before.placements)}: rank "
+                f"{rank}'s elements are not the ones they name"
+            )
+    return ""
+
 
 def _shapes_unlike_torch(torch_fn: Callable, args: tuple, kwargs: dict, out: Any) -> str:
     """How the DTensor outputs' global shapes differ from the op's outputs on plain tensors ("" if they do not).
@@ -491,6 +561,15 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
     record = PRIMS.get(op_name)
     checked = record is not None and record.shape_checked
     wrong = _shapes_unlike_torch(torch_fn, args, kwargs, out) if checked else ""
+    misplaced = _reshape_misplaced(torch_fn, args, out) if checked and not wrong else ""
+    if misplaced:
+        raise MisplacedViewError(
+            op_name,
+            args,
+            kwargs,
+            f"DTensor's sharding rules give {misplaced} (a torch DTensor bug; eager DTensor computes wrong values)",
+            hint="redistribute the input to Replicate first",
+        )
     if wrong:
         raise WrongShapeError(
             op_name,

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable
 
 from thunder_dtensor.errors import DTensorOpError
-from thunder_dtensor.ops.no_rule import ReplicatedFallbackWarning
+from thunder_dtensor.ops.no_rule import HOW_OPS_RAN, ReplicatedFallbackWarning
 from thunder_dtensor.testing import DTensorCase, eager_error, make_full, mesh_1d, mesh_2d, run_case
 
 import pytest
@@ -1080,3 +1080,34 @@ def test_a_lowered_shard_handed_to_eager_dtensor_is_contiguous_where_its_dtensor
         out, number = compiled(*inputs)
         torch.testing.assert_close(out.full_tensor(), expected)
         assert number == pytest.approx(expected_number, rel=1e-5)
+
+
+def _flattened_and_unflattened(x):
+    return x.flatten(0).unflatten(0, (8, 14))
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_a_reshape_dtensor_places_on_the_wrong_elements_runs_replicated(lowering):
+    """Fuzz seed 10924 (2 ranks), a torch DTensor bug: ``unflatten(0, (8, 14))`` of the ``_StridedShard(dim=0,
+    sf=7)`` that flattening a ``Shard(1)`` ``[7, 16]`` gives is placed ``_StridedShard(dim=1, sf=7)``, which names
+    other elements than each rank holds (eager DTensor's values are wrong, silently; the package's were eager's).
+    A reshape of a strided shard on a 1-D mesh has its placements checked against the indices each rank holds
+    (DTensor's own split of an index tensor), and where they disagree it runs replicated, with a warning."""
+    full = torch.arange(112.0).reshape(7, 16)
+    expected = _flattened_and_unflattened(full)
+    eager = _flattened_and_unflattened(distribute_tensor(full, mesh_1d(), [Shard(1)]))
+    assert not torch.equal(eager.full_tensor(), expected), "eager DTensor is right here: no test"
+    compiled = thunder.jit(_flattened_and_unflattened, dtensor_lowering=lowering)
+    HOW_OPS_RAN.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        out = compiled(distribute_tensor(full, mesh_1d(), [Shard(1)]))
+    assert HOW_OPS_RAN == {"Tensor_unflatten": "replicated fallback"}, HOW_OPS_RAN
+    torch.testing.assert_close(out.full_tensor(), expected)
+    # the flatten before it is right (each rank's rows, in order) and is kept
+    flat = thunder.jit(lambda x: x.flatten(0), dtensor_lowering=lowering)(
+        distribute_tensor(full, mesh_1d(), [Shard(1)])
+    )
+    assert "_StridedShard" in str(flat.placements)
+    torch.testing.assert_close(flat.full_tensor(), full.flatten(0))

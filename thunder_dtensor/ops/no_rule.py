@@ -256,7 +256,7 @@ def call_or_rewrite(
                 raise
             original = error
             if isinstance(error, WrongShapeError):  # DTensor's rules accept the op and get it wrong
-                distrust = "DTensor's sharding rules give it a wrong output shape (a torch DTensor bug)"
+                distrust = error.distrust
                 reasons.append("not decomposed: the decomposed op would run under the same rules")
     if kwargs.get("out") is not None:
         reasons.append("not rewritten: an out= argument, which a rewritten op would not write into")

@@ -436,14 +436,14 @@ _RESHAPES = frozenset(
 _CHECKED_RESHAPE_NUMEL = 1 << 20
 
 
-def _held_indices(shape: tuple, placement: Any, ranks: int, rank: int) -> torch.Tensor:
-    """The row-major indices of the elements of a tensor of ``shape`` that ``rank`` holds under ``placement``
-    (a 1-D mesh of ``ranks``), in its local order: DTensor's own split of an index tensor."""
+def _held_indices(shape: tuple, placement: Any, ranks: int) -> list[torch.Tensor]:
+    """For each rank of a 1-D mesh of ``ranks``, the row-major indices of the elements of a tensor of ``shape``
+    that it holds under ``placement``, in its local order: DTensor's own split of an index tensor."""
     full = torch.arange(math.prod(shape)).reshape(shape)
     if not (placement.is_shard() or ti.is_strided_shard(placement)):  # (a strided shard is no Shard in 2.13)
-        return full.reshape(-1)
+        return [full.reshape(-1)] * ranks
     shards, _ = placement._split_tensor(full, ranks, with_padding=False, contiguous=True)
-    return shards[rank].reshape(-1) if rank < len(shards) else full.new_empty((0,))
+    return [shards[rank].reshape(-1) if rank < len(shards) else full.new_empty((0,)) for rank in range(ranks)]
 
 
 def _reshape_misplaced(torch_fn: Callable, args: tuple, out: Any) -> str:
@@ -455,21 +455,22 @@ def _reshape_misplaced(torch_fn: Callable, args: tuple, out: Any) -> str:
     as elements it does not hold. A reshape keeps each rank's local elements in order, so the input's and the
     output's placements must give every rank the same indices."""
     x = args[0] if args else None
+    if torch_fn not in _RESHAPES or not isinstance(x, DTensorProxy):
+        return ""
     outs = [t for t in ti.torch_tree_flatten(out)[0] if isinstance(t, ti.DTensor)]
-    if torch_fn not in _RESHAPES or not isinstance(x, DTensorProxy) or len(outs) != 1:
+    if len(outs) != 1:
         return ""
     before, after = x.meta.spec, ti.dtensor_spec(outs[0])
-    placements = (*before.placements, *after.placements)
     numel = math.prod(tuple(x.shape))
-    if before.mesh.ndim != 1 or not any(ti.is_strided_shard(p) for p in placements):
+    if before.mesh.ndim != 1 or not any(ti.is_strided_shard(p) for p in (*before.placements, *after.placements)):
         return ""
     if numel > _CHECKED_RESHAPE_NUMEL or numel != math.prod(tuple(outs[0].shape)):
         return ""
     ranks = before.mesh.size()
-    for rank in range(ranks):
-        held = _held_indices(tuple(x.shape), before.placements[0], ranks, rank)
-        claimed = _held_indices(tuple(outs[0].shape), after.placements[0], ranks, rank)
-        if not torch.equal(held, claimed):
+    held = _held_indices(tuple(x.shape), before.placements[0], ranks)
+    claimed = _held_indices(tuple(outs[0].shape), after.placements[0], ranks)
+    for rank, (mine, named) in enumerate(zip(held, claimed)):
+        if not torch.equal(mine, named):
             return (
                 f"output placements {tuple(after.placements)} for a reshape of {tuple(before.placements)}: rank "
                 f"{rank}'s elements are not the ones they name"
@@ -561,15 +562,6 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
     record = PRIMS.get(op_name)
     checked = record is not None and record.shape_checked
     wrong = _shapes_unlike_torch(torch_fn, args, kwargs, out) if checked else ""
-    misplaced = _reshape_misplaced(torch_fn, args, out) if checked and not wrong else ""
-    if misplaced:
-        raise MisplacedViewError(
-            op_name,
-            args,
-            kwargs,
-            f"DTensor's sharding rules give {misplaced} (a torch DTensor bug; eager DTensor computes wrong values)",
-            hint="redistribute the input to Replicate first",
-        )
     if wrong:
         raise WrongShapeError(
             op_name,
@@ -577,6 +569,15 @@ def _fake_outputs(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict) -
             kwargs,
             f"DTensor's sharding rules give {wrong} (a torch DTensor bug; eager DTensor returns the wrong shape)",
             hint="redistribute the inputs to Replicate first, or give a 1-D input a batch dim (x.unsqueeze(0))",
+        )
+    misplaced = _reshape_misplaced(torch_fn, args, out) if checked else ""
+    if misplaced:
+        raise MisplacedViewError(
+            op_name,
+            args,
+            kwargs,
+            f"DTensor's sharding rules give {misplaced} (a torch DTensor bug; eager DTensor computes wrong values)",
+            hint="redistribute the input to Replicate first",
         )
     return out
 

@@ -29,7 +29,7 @@ from thunder_dtensor.proxy import DTensorProxy
 import torch
 import torch.nn.functional as F
 
-__all__ = ["mean_is_per_rank", "replaces_per_rank_means"]
+__all__ = ["exact_mean_placements", "mean_is_per_rank", "replaces_per_rank_means"]
 
 
 def mean_is_per_rank(torch_fn: Callable, args: tuple, kwargs: dict) -> bool:
@@ -44,13 +44,17 @@ def mean_is_per_rank(torch_fn: Callable, args: tuple, kwargs: dict) -> bool:
     )
 
 
+def exact_mean_placements(eager: tuple) -> tuple | None:
+    """The placements this module gives a mean loss eager DTensor places ``eager``: its ``Partial(avg)`` of
+    per-rank means made the exact ``Partial(sum)``; None where eager has no such mean."""
+    summed = tuple(ti.Partial("sum") if p.is_partial() and cast(ti.Partial, p).reduce_op == "avg" else p for p in eager)
+    return summed if summed != tuple(eager) else None
+
+
 def replaces_per_rank_means(torch_fn: Any, eager: tuple, ours: tuple) -> bool:
     """Whether ``ours`` (a call's output placements) are eager DTensor's ``eager`` for one of this module's
     losses but for its ``Partial(avg)`` of per-rank means, which this module makes the exact ``Partial(sum)``."""
-    if torch_fn not in (F.nll_loss, F.cross_entropy):
-        return False
-    summed = tuple(ti.Partial("sum") if p.is_partial() and cast(ti.Partial, p).reduce_op == "avg" else p for p in eager)
-    return summed != tuple(eager) and summed == tuple(ours)
+    return torch_fn in (F.nll_loss, F.cross_entropy) and exact_mean_placements(eager) == tuple(ours)
 
 
 def _to(x: Any, dtype: Any) -> Any:

@@ -1254,15 +1254,14 @@ def _op_loss(g: _Generator) -> _Candidate:
 def _the_mean_loss_rewrite(program: Program, got: tuple, eager: tuple) -> bool:
     """Whether ``got`` is eager's placements but for the documented rewrite of a mean class-index loss
     (``ops/losses.py``: ``Partial(sum)`` where eager's ``Partial(avg)`` averages per-rank means)."""
+    from thunder_dtensor.ops.losses import exact_mean_placements
     from thunder_dtensor.testing import same_placements
-
-    from torch.distributed.tensor import Partial
 
     last = program.steps[-1]
     if last.kind not in _FINAL_KINDS or 'reduction="sum"' in last.line or 'reduction="none"' in last.line:
         return False
-    summed = tuple(Partial("sum") if isinstance(p, Partial) and p.reduce_op == "avg" else p for p in eager)
-    return summed != eager and same_placements(got, summed)
+    exact = exact_mean_placements(eager)
+    return exact is not None and same_placements(got, exact)
 
 
 def _op_dropout(g: _Generator) -> _Candidate:

@@ -456,18 +456,23 @@ def make_exception_frames_without_a_busy_wait() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # thunder's autograd bridge (thunder 0.2.6 ``executors/torch_autograd.py``): per-call time
 # ---------------------------------------------------------------------------------------------------------
-class _TorchWithEmptyMetaTensors(types.ModuleType):
+class _TorchAsSeenBy(types.ModuleType):
+    """``torch`` as one of thunder's modules sees it (a subclass replaces some names): every other name is
+    torch's, looked up once and kept."""
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        setattr(self, name, value)
+        return value
+
+
+class _TorchWithEmptyMetaTensors(_TorchAsSeenBy):
     """``torch`` as thunder's autograd bridge sees it, with ``randn(..., device="meta")`` made by ``empty``.
 
     A meta tensor has no values, so the two are the same tensor; torch's meta ``randn`` runs its Python
     reference implementation (about 36 µs against 2 µs), and the bridge makes one in each training call's
     forward (the dummy linking its two autograd Functions) and one in its backward. Other names are torch's,
     each looked up once and kept (the bridge reads ``torch.Tensor`` once per output and saved tensor)."""
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(torch, name)
-        setattr(self, name, value)
-        return value
 
     @staticmethod
     def randn(*size: Any, **kwargs: Any) -> torch.Tensor:
@@ -508,11 +513,12 @@ _LAYOUTS_PER_REGION = 4
 def _layout(args: tuple) -> tuple | None:
     """The shapes and strides of ``args`` (what inductor's code asserts on entry), or None when one is not a
     plain tensor (a number would be a constant of the graph)."""
-    try:
-        layout = tuple([(a.shape, a.stride()) for a in args])
-    except AttributeError:
-        return None
-    return layout if all(type(a) is torch.Tensor or type(a) is torch.nn.Parameter for a in args) else None
+    layout = []
+    for a in args:
+        if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+            return None
+        layout.append((a.shape, a.stride()))
+    return tuple(layout)
 
 
 class _InductorRegion:
@@ -566,15 +572,10 @@ def _calls_a_process_group_op(node: Any) -> bool:
     return node.op == "call_function" and getattr(node.target, "namespace", None) == "c10d"
 
 
-class _TorchCompilingRegionsDirectly(types.ModuleType):
+class _TorchCompilingRegionsDirectly(_TorchAsSeenBy):
     """``torch`` as thunder's torch.compile executor sees it: ``compile`` of a region, in a program where
     :func:`compile_fused_regions_without_dynamo` acts, is an :class:`_InductorRegion` (keyword options other
     than ``fullgraph``, a ``mode`` say, keep ``torch.compile``). Other names are torch's."""
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(torch, name)
-        setattr(self, name, value)
-        return value
 
     @staticmethod
     def compile(fn: Callable, **options: Any) -> Callable:

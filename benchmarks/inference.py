@@ -13,7 +13,10 @@ Contenders, all on the same sharded model and the same cache kind:
   lowered step, collectives included, as one graph; ``thunderfx_inductor``: thunderfx with the same executor list;
 - ``limit``: the same decoding hand-written on each rank's local shards (the weights the TP model holds, the
   model's own norms and rotary embedding, one all-reduce after each row-parallel projection and the embedding,
-  one all-gather of the logits), run eagerly: what the program costs with nothing in between.
+  one all-gather of the logits), run eagerly: what the program costs with nothing in between;
+- ``..._one_shot``: the thunder contenders with ``dtensor_one_shot_all_reduce_bytes=65536`` (each all-reduce of a
+  decode step, 1 KiB, and of the prefill, 64 KiB, runs as one all-gather and a local sum), and ``limit_one_shot``,
+  the limit written with the same all-gather and sum: the limit of that program.
 
 Every contender must produce the same tokens (checked each round). First token = the prefill call; per token =
 the mean decode call. Medians over interleaved rounds (A B C ... A B C), each call timed between barriers, the
@@ -40,7 +43,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-CONTENDERS = ("eager", "torch.compile", "thunder", "thunder_inductor", "thunderfx", "thunderfx_inductor", "limit")
+CONTENDERS = (
+    "eager",
+    "torch.compile",
+    "thunder",
+    "thunder_inductor",
+    "thunderfx",
+    "thunderfx_inductor",
+    "limit",
+    "thunder_one_shot",
+    "thunder_inductor_one_shot",
+    "thunderfx_one_shot",
+    "thunderfx_inductor_one_shot",
+    "limit_one_shot",
+)
+#: the ``_one_shot`` contenders' ``dtensor_one_shot_all_reduce_bytes``
+ONE_SHOT_BYTES = 65536
 
 
 def _config(args: argparse.Namespace):  # -> LlamaConfig
@@ -70,8 +88,8 @@ class LocalLlama:
     """Greedy decoding on the local shards of a transformers TP Llama: local heads and MLP columns, the cache of
     the local kv heads, one all-reduce per row-parallel projection and for the vocab-parallel embedding."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int) -> None:
-        self.model, self.config = model, model.config
+    def __init__(self, model: torch.nn.Module, max_len: int, one_shot: bool = False) -> None:
+        self.model, self.config, self.one_shot = model, model.config, one_shot
         world, rank = dist.get_world_size(), dist.get_rank()
 
         def local(t: torch.Tensor) -> torch.Tensor:
@@ -97,6 +115,16 @@ class LocalLlama:
         self.cache = [(torch.zeros(shape), torch.zeros(shape)) for _ in self.layers]
         self.max_len = max_len
 
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks: c10d's all-reduce, or (``one_shot``) one all-gather and a local sum."""
+        if not self.one_shot:
+            dist.all_reduce(t)
+            return t
+        world = dist.get_world_size()
+        gathered = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype)
+        dist.all_gather_into_tensor(gathered, t.contiguous())
+        return gathered.view(world, *t.shape).sum(0)
+
     def reset(self) -> None:
         for k, v in self.cache:
             k.zero_()
@@ -108,7 +136,7 @@ class LocalLlama:
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.embed.shape[0])
         x = F.embedding(local_ids.masked_fill(outside, 0), self.embed).masked_fill(outside[..., None], 0)
-        dist.all_reduce(x)
+        x = self.all_reduce(x)
         cos, sin = self.rotary(x, position[None])
         length = ids.shape[1]
         visible = torch.arange(self.max_len)[None, :] <= position[:, None]  # causal over the whole cache
@@ -122,11 +150,11 @@ class LocalLlama:
             v_cache.index_copy_(2, position, v)
             attn = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=visible, enable_gqa=True)
             out = F.linear(attn.transpose(1, 2).reshape(1, length, -1), layer["o_proj"])
-            dist.all_reduce(out)
+            out = self.all_reduce(out)
             x = x + out
             h = layer["norm2"](x)
             out = F.linear(F.silu(F.linear(h, layer["gate_proj"])) * F.linear(h, layer["up_proj"]), layer["down_proj"])
-            dist.all_reduce(out)
+            out = self.all_reduce(out)
             x = x + out
         logits = F.linear(self.norm(x[:, -1:]), self.head)
         gathered = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
@@ -136,8 +164,8 @@ class LocalLlama:
 
 def _decoder(name: str, model: torch.nn.Module, max_len: int) -> Callable[[torch.Tensor, int], tuple]:
     """``decode(prompt, new) -> (tokens, [seconds per call])`` for one contender."""
-    if name == "limit":
-        local = LocalLlama(model, max_len)
+    if name in ("limit", "limit_one_shot"):
+        local = LocalLlama(model, max_len, one_shot=name == "limit_one_shot")
 
         def step_limit(ids: torch.Tensor, position: torch.Tensor, cache: object) -> torch.Tensor:
             return local(ids, position)
@@ -147,23 +175,20 @@ def _decoder(name: str, model: torch.nn.Module, max_len: int) -> Callable[[torch
         from transformers import StaticCache
 
         forward = model.forward
+        base, one_shot = name.removesuffix("_one_shot"), name.endswith("_one_shot")
+        options = {"dtensor_one_shot_all_reduce_bytes": ONE_SHOT_BYTES} if one_shot else {}
+        if base in ("thunder_inductor", "thunderfx_inductor"):
+            from thunder.executors.torch_compile import torch_compile_ex
+
+            options["executors"] = [torch_compile_ex, *thunder.get_default_executors()]
         if name == "torch.compile":
             forward = torch.compile(forward, mode="default")
-        elif name == "thunder":
-            forward = thunder.jit(forward)
-        elif name == "thunder_inductor":
-            from thunder.executors.torch_compile import torch_compile_ex
-
-            forward = thunder.jit(forward, executors=[torch_compile_ex, *thunder.get_default_executors()])
-        elif name == "thunderfx":
+        elif base in ("thunder", "thunder_inductor"):
+            forward = thunder.jit(forward, **options)
+        elif base in ("thunderfx", "thunderfx_inductor"):
             from thunder.dynamo import thunderfx
 
-            forward = thunderfx(forward)
-        elif name == "thunderfx_inductor":
-            from thunder.dynamo import thunderfx
-            from thunder.executors.torch_compile import torch_compile_ex
-
-            forward = thunderfx(forward, executors=[torch_compile_ex, *thunder.get_default_executors()])
+            forward = thunderfx(forward, **options)
 
         def step_model(ids: torch.Tensor, position: torch.Tensor, cache: object) -> torch.Tensor:
             out = forward(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=position)

@@ -278,15 +278,41 @@ def _reduced_in_place(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.world_size(2)
-def test_a_region_with_an_in_place_collective_is_compiled_by_torch_compile():
-    """A region holding c10d's in-place ``all_reduce`` (on a process group object, as thunder traces
-    ``torch.distributed.all_reduce``) keeps ``torch.compile``, which rewrites it into a functional collective:
-    inductor alone would be handed the process group (compile_fused_regions_without_dynamo refuses it)."""
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_an_all_reduce_on_a_process_group_runs_as_a_functional_collective_in_a_region_without_dynamo(one_shot):
+    """thunder's ``torch.distributed.all_reduce`` (c10d, in place, on a process group object: how transformers'
+    tensor parallelism reduces a row-parallel output) becomes the lowering's functional all-reduce (one all-gather
+    and a sum with ``dtensor_one_shot_all_reduce_bytes``): the region holding it compiles without dynamo."""
     from thunder.executors.torch_compile import torch_compile_ex
 
     full = torch.randn(4, 6, generator=torch.Generator().manual_seed(5))
     x = distribute_tensor(full, mesh_1d(), [Shard(0)])
-    jitted = thunder.jit(_reduced_in_place, executors=[torch_compile_ex, *thunder.get_default_executors()])
+    options = {"dtensor_one_shot_all_reduce_bytes": 1024} if one_shot else {}
+    for executors in ([torch_compile_ex, *thunder.get_default_executors()], thunder.get_default_executors()):
+        jitted = thunder.jit(_reduced_in_place, executors=executors, **options)
+        graphs = counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            torch.testing.assert_close(jitted(x), sum(full.chunk(2)) * 2 + 1)
+        assert counters["stats"]["unique_graphs"] == graphs
+        trace = thunder.last_traces(jitted)[-1]
+        inside = [s for b in trace.bound_symbols for s in (b.subsymbols if b.sym.name.startswith("Torch") else [b])]
+        names = [b.sym.name for b in inside]
+        assert ("all_gather_into_tensor" in names) == one_shot and ("all_reduce" in names) != one_shot, str(trace)
+        assert "wait_tensor" in names and not any("all_reduce_" in n for n in names), str(trace)
+
+
+@pytest.mark.world_size(2)
+def test_a_region_with_an_in_place_collective_is_compiled_by_torch_compile():
+    """A region holding c10d's in-place ``all_reduce`` (on a process group object, as thunder traces
+    ``torch.distributed.all_reduce``; with the lowering off it stays so) keeps ``torch.compile``, which rewrites it
+    into a functional collective: inductor alone would be handed the process group
+    (compile_fused_regions_without_dynamo refuses it)."""
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    full = torch.randn(4, 6, generator=torch.Generator().manual_seed(5))
+    x = distribute_tensor(full, mesh_1d(), [Shard(0)])
+    executors = [torch_compile_ex, *thunder.get_default_executors()]
+    jitted = thunder.jit(_reduced_in_place, executors=executors, dtensor_lowering=False)
     graphs = counters["stats"]["unique_graphs"]
     for _ in range(2):
         expected = sum(full.chunk(2)) * 2 + 1

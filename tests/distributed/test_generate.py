@@ -77,6 +77,25 @@ def test_generate_with_a_kv_cache_gives_the_one_process_tokens(models_dir, arch,
         zoo._thunder_ran(model.forward, frontend)  # raises where dynamo's graphs all ran without thunder
 
 
+@pytest.mark.world_size(2)
+def test_generate_with_one_shot_all_reduces(models_dir):
+    """``dtensor_one_shot_all_reduce_bytes``: transformers' own all-reduces (``torch.distributed.all_reduce`` of the
+    row-parallel outputs) and the vocab-parallel embedding's each run as one all-gather and a local sum; the tokens
+    are the one-process model's, and prefill and decode are still two programs."""
+    path, greedy, sampled = _prepared("llama", models_dir, "static")
+    model = zoo.load(path, True)
+    prompt = zoo.make_prompt()
+    options = {"dtensor_one_shot_all_reduce_bytes": 1 << 16}
+    with zoo.quiet():
+        zoo.check_generate(model, "jit", prompt, greedy, "static", options=options)
+        zoo.check_generate(model, "jit", prompt, sampled, "static", seed=SEED, options=options)
+    assert thunder.cache_misses(model.forward) == 2
+    decode = [b.sym.name for b in thunder.last_traces(model.forward)[-1].bound_symbols]
+    assert "all_reduce" not in decode and "all_reduce_" not in decode, decode
+    layers = model.config.num_hidden_layers
+    assert decode.count("all_gather_into_tensor") == 2 * layers + 2, decode  # + the embedding's, the logits' gather
+
+
 @pytest.mark.world_size(4)
 def test_generate_at_four_ranks(models_dir):
     """thunderfx here for the suite's time (4 ranks on 2 cores: ``thunder.jit``'s two traces take a minute)."""

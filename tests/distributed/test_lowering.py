@@ -228,3 +228,37 @@ def test_issue_early_option_issues_each_collective_before_the_work_it_does_not_r
         torch.testing.assert_close(p_early.grad.full_tensor(), p_default.grad.full_tensor(), rtol=0, atol=0)
     expected = ref(x.detach())
     torch.testing.assert_close(outs[1], expected, **TOL)
+
+
+@pytest.mark.world_size(2, 4)
+@pytest.mark.parametrize("limit, kind", [(0, "all_reduce"), (256, "all_gather_into_tensor"), (255, "all_reduce")])
+def test_one_shot_option_sums_small_all_reduces_from_one_all_gather(limit, kind):
+    """``dtensor_one_shot_all_reduce_bytes``: each sum all-reduce of at most that many bytes per rank (here the
+    row-parallel output and the column-parallel input gradient, 4 x 16 floats: 256 bytes) is one all-gather and a
+    local sum, in the forward and the backward; larger ones stay all-reduces. Values and gradients are plain
+    torch's either way."""
+    ref = _mlp()
+    x = torch.randn(4, 16, requires_grad=True)
+    model = _tp_mlp(ref)
+    jitted = thunder.jit(model, dtensor_one_shot_all_reduce_bytes=limit)
+    out = jitted(x)
+    out.sum().backward()
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    for trace in (forward, backward):
+        assert _collectives(trace) == [f"{kind}@0"], str(trace)
+        assert ("aten_sum_dim_IntList" in _symbols(trace)) == (kind != "all_reduce"), str(trace)
+    expected = ref(x.detach())
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, **TOL)
+    assert_grads_match(model, ref, "tp mlp")
+
+
+def test_one_shot_option_sums_a_scalar():
+    """A 0-dim partial sum (a sharded tensor's total, replicated) is gathered as a vector of one element a rank."""
+    full = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
+    x = distribute_tensor(full, mesh_1d(), [Shard(0)])
+    jitted = thunder.jit(
+        lambda d: d.sum().redistribute(placements=[Replicate()]).to_local() * 2, dtensor_one_shot_all_reduce_bytes=4
+    )
+    torch.testing.assert_close(jitted(x), full.sum() * 2, **TOL)
+    assert _collectives(thunder.last_traces(jitted)[-1]) == ["all_gather_into_tensor@0"]

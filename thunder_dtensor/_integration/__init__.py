@@ -78,7 +78,8 @@ Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`
 (``FakeTensorMode``, its exceptions and logger), ``torch._library.fake_class_registry.FakeScriptObject``,
 ``torch.utils._pytree``, ``torch._C._is_alias_of``, ``torch.utils._python_dispatch.TorchDispatchMode`` (autocast, the
 lowering's ATen recorder) and ``autograd_would_have_decomposed``, ``torch._dispatch.python.enable_python_dispatcher``,
-``torch.fx.experimental.proxy_tensor`` (``make_fx``, ``disable_proxy_modes_tracing``).
+``torch.fx.experimental.proxy_tensor`` (``make_fx``, ``disable_proxy_modes_tracing``),
+``torch.distributed.distributed_c10d._resolve_process_group`` (a group's size by its name).
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ from thunder_dtensor._integration.compile_pipeline import (
     mesh_group_names,
     no_ambient_autocast,
     nodes_traced_so_far,
+    process_group_all_reduce,
+    process_group_size,
     torch_tree_map,
     trace_aten_graph,
 )
@@ -446,6 +449,8 @@ __all__ += [
     "mark_recomputed_in_backward",
     "may_return_views",
     "mesh_group_names",
+    "process_group_all_reduce",
+    "process_group_size",
     "no_ambient_autocast",
     "nodes_traced_so_far",
     "note_dtensor_op_traced",

@@ -193,6 +193,25 @@ def group_name(mesh: Any, dim: int) -> str:
     return mesh.get_group(dim).group_name
 
 
+def process_group_size(name: str) -> int:
+    """The number of ranks in the process group that functional collectives call ``name``."""
+    return torch.distributed.distributed_c10d._resolve_process_group(name).size()
+
+
+def process_group_all_reduce(bsym: Any) -> tuple[Any, str, str] | None:
+    """``(tensor, reduce op, group name)`` where ``bsym`` is thunder's prim of ``torch.distributed.all_reduce`` on
+    a process group object, waited for (no ``async_op``), with a reduce op functional collectives name; else None."""
+    import thunder.distributed.prims as dist_prims
+
+    if bsym.sym.id is not dist_prims.PrimIDs.ALL_REDUCE:
+        return None
+    tensor, op, group, do_async, *_ = bsym.args
+    reduce_op = op.name.lower()
+    if do_async or reduce_op not in ("sum", "avg", "product", "min", "max"):
+        return None
+    return tensor, reduce_op, group.group_name
+
+
 def mesh_group_names(mesh: Any) -> tuple[str, ...]:
     """The process group name of every dim of a (real) device mesh."""
     return tuple(group_name(mesh, dim) for dim in range(mesh.ndim))

@@ -23,8 +23,10 @@ from thunder_dtensor.lowering.graph import (
     unused_collectives,
 )
 from thunder_dtensor.lowering.program import (
+    all_reduces_in_one_shot,
     claimed,
     flatten_dtensor_composites,
+    functional_all_reduces,
     inherit_backward_tag,
     issue_collectives_early,
     pair_vjps,
@@ -82,6 +84,17 @@ ISSUE_EARLY_OPTION = "dtensor_issue_early"
 def issue_early_enabled() -> bool:
     value = ti.get_compile_option(ISSUE_EARLY_OPTION, "issue each collective as early as its inputs allow")
     return bool(value)
+
+
+#: the thunder compile option (``thunder.jit(fn, dtensor_one_shot_all_reduce_bytes=65536)``): each sum all-reduce
+#: of at most that many bytes per rank runs as one all-gather and a local sum (``program.all_reduces_in_one_shot``);
+#: off by default (the program then issues the collectives eager DTensor and c10d issue)
+ONE_SHOT_OPTION = "dtensor_one_shot_all_reduce_bytes"
+
+
+def one_shot_all_reduce_bytes() -> int:
+    value = ti.get_compile_option(ONE_SHOT_OPTION, "sum all-reduces up to this many bytes as an all-gather and a sum")
+    return int(value or 0)
 
 
 def _is_tensor_proxy(x: Any) -> bool:
@@ -581,6 +594,7 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
         return trace
     bsyms = without_unused_vjp_gradients(bsyms)  # a joint traces with eager's requires_grad pattern
     state = _Lowering(trace)
+    bsyms = functional_all_reduces(bsyms, state.trace)
     pairs = pair_vjps(bsyms)
     for i, bsym in enumerate(bsyms):
         emitted_from = len(state.bsyms)
@@ -588,8 +602,10 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
         # what a backward symbol lowers to is backward too (thunder's dataflow fusion partition reads the tag)
         inherit_backward_tag(bsym, state.bsyms[emitted_from:])
     new_trace = state.trace
-    bsyms = issue_collectives_early(state.bsyms) if issue_early_enabled() else state.bsyms
-    new_trace.bound_symbols = unwrap_early(place_waits_late(claimed(bsyms, executors)))
+    bsyms = place_waits_late(issue_collectives_early(state.bsyms) if issue_early_enabled() else state.bsyms)
+    if one_shot_all_reduce_bytes() > 0:
+        bsyms = all_reduces_in_one_shot(bsyms, new_trace, one_shot_all_reduce_bytes())
+    new_trace.bound_symbols = unwrap_early(claimed(bsyms, executors))
     new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  # (see annotate_not_lowered)
     new_trace.set_provenance(ti.TraceProvenance(f"DTensor lowering ({state.lowered} prims lowered)"))
     return new_trace

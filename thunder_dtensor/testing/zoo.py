@@ -421,18 +421,19 @@ def compile_step(model: torch.nn.Module, frontend: str) -> Callable[[torch.Tenso
     return _compile(loss_and_logits, frontend)
 
 
-def _compile(fn: Callable, frontend: str) -> Callable:
+def _compile(fn: Callable, frontend: str, **options: Any) -> Callable:
+    """``fn`` under ``frontend`` ("eager", "jit", "thunderfx"), with thunder's compile ``options``."""
     if frontend == "eager":
         return fn
     import thunder
 
     if frontend == "jit":
-        return thunder.jit(fn)
+        return thunder.jit(fn, **options)
     if frontend == "thunderfx":
         from thunder.dynamo import thunderfx
 
         torch._dynamo.reset()  # each case compiles afresh (dynamo's recompilation limit is per code object)
-        return thunderfx(fn)
+        return thunderfx(fn, **options)
     raise ValueError(f"unknown front end {frontend!r}")
 
 
@@ -657,11 +658,12 @@ def check_generate(
     expected: torch.Tensor,
     cache: str = "dynamic",
     seed: int | None = None,
+    options: dict | None = None,
 ) -> None:
-    """``generate()`` of ``model`` with its forward under ``frontend`` (as transformers' docs compile it) and the
-    KV cache ``cache`` must give ``expected``."""
+    """``generate()`` of ``model`` with its forward under ``frontend`` (as transformers' docs compile it; thunder's
+    compile ``options``) and the KV cache ``cache`` must give ``expected``."""
     if frontend != "eager" and model not in _COMPILED_FOR_GENERATE:  # (one compiled forward per model)
-        model.forward = _compile(model.forward, frontend)
+        model.forward = _compile(model.forward, frontend, **(options or {}))
         _COMPILED_FOR_GENERATE.add(model)
     error = None
     try:

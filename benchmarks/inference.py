@@ -246,6 +246,9 @@ def main() -> None:
         AutoModelForCausalLM.from_config(_config(args)).save_pretrained(where[0])
     dist.barrier()
     names = args.contenders.split(",")
+    # each dynamo contender (torch.compile, the thunderfx ones) compiles the same forward code for its own model, a
+    # prefill and a decode entry each: past dynamo's default of 8 entries a code object, the rest would run eagerly
+    torch._dynamo.config.recompile_limit = 64
     max_len = args.prompt + args.new + 1
     decoders = {name: _decoder(name, _load(where[0]), max_len) for name in names}
     prompt = torch.randint(3, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(1))

@@ -253,12 +253,14 @@ def test_one_shot_option_sums_small_all_reduces_from_one_all_gather(limit, kind)
     assert_grads_match(model, ref, "tp mlp")
 
 
-def test_one_shot_option_sums_a_scalar():
-    """A 0-dim partial sum (a sharded tensor's total, replicated) is gathered as a vector of one element a rank."""
+def test_one_shot_option_sums_a_scalar_and_leaves_integer_sums_alone():
+    """A 0-dim partial sum (a sharded tensor's total, replicated) is gathered as a vector of one element a rank; an
+    integer sum stays an all-reduce (a local ``sum`` would promote its dtype)."""
     full = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
     x = distribute_tensor(full, mesh_1d(), [Shard(0)])
-    jitted = thunder.jit(
-        lambda d: d.sum().redistribute(placements=[Replicate()]).to_local() * 2, dtensor_one_shot_all_reduce_bytes=4
-    )
-    torch.testing.assert_close(jitted(x), full.sum() * 2, **TOL)
-    assert _collectives(thunder.last_traces(jitted)[-1]) == ["all_gather_into_tensor@0"]
+    total = thunder.jit(lambda d: d.sum().full_tensor() * 2, dtensor_one_shot_all_reduce_bytes=8)
+    torch.testing.assert_close(total(x), full.sum() * 2, **TOL)
+    assert _collectives(thunder.last_traces(total)[-1]) == ["all_gather_into_tensor@0"]
+    count = thunder.jit(lambda d: (d > 0).sum().full_tensor(), dtensor_one_shot_all_reduce_bytes=8)
+    assert torch.equal(count(x), (full > 0).sum())
+    assert _collectives(thunder.last_traces(count)[-1]) == ["all_reduce@0"]

@@ -195,7 +195,7 @@ def group_name(mesh: Any, dim: int) -> str:
 
 def process_group_size(name: str) -> int:
     """The number of ranks in the process group that functional collectives call ``name``."""
-    return torch.distributed.distributed_c10d._resolve_process_group(name).size()
+    return torch.distributed.distributed_c10d._resolve_process_group(name).size()  # type: ignore[arg-type]
 
 
 def process_group_all_reduce(bsym: Any) -> tuple[Any, str, str] | None:

@@ -11,7 +11,7 @@ local sum.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.lowering.symbols import (
@@ -96,8 +96,8 @@ def _holds_process_group_all_reduce(bsym: Any) -> bool:
 
 
 def all_reduces_in_one_shot(bsyms: list, trace: Any, max_bytes: int) -> list:
-    """Each sum all-reduce of at most ``max_bytes`` (per rank) as one all-gather and a local sum of the gathered
-    values (a "one-shot" all-reduce), in place of DTensor's and c10d's ring.
+    """Each floating-point sum all-reduce of at most ``max_bytes`` (per rank) as one all-gather and a local sum of
+    the gathered values (a "one-shot" all-reduce), in place of DTensor's and c10d's ring.
 
     A ring all-reduce takes ``2 (n - 1)`` steps, an all-gather ``n - 1``: where a message is small, its time is
     the steps' latency (on 2 CPU ranks over gloo, 0.45-0.9x the ring's time up to 64 KiB; above 256 KiB the
@@ -118,8 +118,8 @@ def all_reduces_in_one_shot(bsyms: list, trace: Any, max_bytes: int) -> list:
     for bsym in bsyms:
         if bsym.sym.id is all_reduce.id and bsym.args[1] == "sum" and read_by_waits_only.get(bsym.output.name):
             tensor, _, group = bsym.args
-            size = tensor.numel * ti.dtypes.to_torch_dtype(tensor.dtype).itemsize
-            if size <= max_bytes:
+            dtype = cast(torch.dtype, ti.dtypes.to_torch_dtype(tensor.dtype))
+            if dtype.is_floating_point and tensor.numel * dtype.itemsize <= max_bytes:  # (an integer sum promotes)
                 ranks, shape = ti.process_group_size(group), tuple(tensor.shape)
                 flat = _new_tensor(trace, shape or (1,), tensor)
                 result = _new_tensor(trace, (ranks * (shape or (1,))[0], *shape[1:]), tensor)

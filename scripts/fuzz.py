@@ -27,6 +27,7 @@ import pathlib
 import sys
 
 import thunder_dtensor  # noqa: F401  (before thunder)
+import thunder_dtensor.testing.fuzz as fuzz_module
 from thunder_dtensor.testing import init_distributed, shutdown_distributed, world_size
 from thunder_dtensor.testing.fuzz import ProgramResult, fuzz, parse_seeds
 
@@ -54,6 +55,13 @@ def _args() -> argparse.Namespace:
         default=float(os.environ.get("THUNDER_DTENSOR_FUZZ_VIEW_WRITES", "0")),
         help="the weight of in-place writes into views among the op builders (others weigh 1 to 6; default 0, or "
         "THUNDER_DTENSOR_FUZZ_VIEW_WRITES: none drawn, every seed's program as before); e.g. 20 for one in three",
+    )
+    parser.add_argument(
+        "--one-shot-bytes",
+        type=int,
+        default=0,
+        help="run the lowering mode with dtensor_one_shot_all_reduce_bytes=N (sum all-reduces up to N bytes as one "
+        "all-gather and a local sum); 0: the default ring all-reduces",
     )
     parser.add_argument("--no-repro", action="store_true", help="print the failing programs' lines only")
     parser.add_argument("--repro-dir", type=pathlib.Path, help="also write each reproducer to a file here")
@@ -85,6 +93,8 @@ def main() -> int:
         return 2
     if args.repro_dir and rank0:
         args.repro_dir.mkdir(parents=True, exist_ok=True)
+    if args.one_shot_bytes:
+        fuzz_module.LOWERING_OPTIONS["dtensor_one_shot_all_reduce_bytes"] = args.one_shot_bytes
 
     def show_reproducer(text: str, file_name: str) -> None:
         """Write the reproducer into --repro-dir and print it (unless --no-repro)."""

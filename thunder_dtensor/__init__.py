@@ -152,8 +152,9 @@ if DISTRIBUTED_AVAILABLE:
         lowering.annotate_not_lowered,
         functools.partial(_integration.compact_prologue, ops=guards.PROLOGUE_OPS),
     )
-    # every rank issues them in one order, also through thunderfx's dataflow fusion partition
-    _integration.keep_collectives_in_order_through_dataflow_fusion(lowering.issues_a_collective)
+    # every rank issues them (and the dtensor prims run eagerly, which may redistribute) in one order, also through
+    # thunderfx's dataflow fusion partition
+    _integration.keep_collectives_in_order_through_dataflow_fusion(lowering.may_communicate)
 
 # a write into a view of a plain tensor that requires grad gets eager's gradients (installed after the alias
 # pass's DTensor wrapper, which rewrites DTensor writes the same way, so that it wraps that one)

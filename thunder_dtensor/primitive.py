@@ -320,7 +320,7 @@ def propagated_fakes(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict
             key, lambda: compute(op_name, torch_fn, args, kwargs), keep=_only_fake_tensors
         )
 
-    mesh = _mesh_of_uneven_shards(flat)
+    mesh = mesh_of_uneven_shards(flat)
     if mesh is None:
         return cached()
     # every rank must decide alike whether the op runs: on uneven shards a fake run can fail on one rank's local
@@ -344,7 +344,7 @@ def propagated_fakes(op_name: str, torch_fn: Callable, args: tuple, kwargs: dict
     return out
 
 
-def _mesh_of_uneven_shards(flat: list) -> Any:
+def mesh_of_uneven_shards(flat: list) -> Any:
     """The device mesh of the DTensor inputs where one of them is sharded unevenly (its local shapes differ from
     rank to rank: every rank computes every rank's, so all decide alike), else None."""
     inputs = [x for x in flat if isinstance(x, DTensorProxy)]

@@ -207,3 +207,18 @@ def test_an_output_placed_as_torch_compile_places_it_is_triaged_as_torch_s():
     assert result.compiled_placements == "(R)" and mismatch[0].detail.startswith("output placements (R) vs eager")
     assert "torch.compile (aot_eager backend) places the output as thunderfx does" in result.upstream
     assert not dataclasses.replace(result, compiled_placements="(P(sum))").upstream
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("seed", [0, 20])
+def test_ranks_with_uneven_shards_run_programs_whose_collectives_pair_up(seed):
+    """Two hangs at 4 ranks with writes into views, each until gloo's timeout. Seed 0, under thunderfx: an index of
+    one element, sharded (three ranks pad an empty shard before its all-gather), and an ``index_put_`` kept as eager
+    DTensor ops, which redistribute: thunder's dataflow fusion partition moved the all-gather past those ops on the
+    padding ranks only; the ops that may communicate now keep their order. Seed 20: ``y.mean().item()`` of a tensor
+    sharded over 3 rows on 4 ranks; the lowering of one op failed on the empty shard's rank only, which kept it as
+    the eager op while the others lowered it; every rank now decides alike (one agreement per such op)."""
+    program = generate_program(seed, 4, mesh_shape_for(seed, 4), thunderfx_share=0.2, view_writes=20.0)
+    assert "view-write" in program.kinds or "item" in program.kinds
+    result = run_program(program)
+    assert result.outcome != "failed", result.failures

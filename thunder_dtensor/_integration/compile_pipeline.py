@@ -320,8 +320,9 @@ def keep_collectives_in_order_through_dataflow_fusion(is_collective: Callable[[B
     their programs are the same: with uneven shards a rank pads its shard before an all-gather, and that rank's
     all-gather fell behind the next all-reduce while the other rank kept them in order, and both waited for
     the other forever (fuzz seed 5076 under thunderfx; every fusion executor's pass partitions, on CPU
-    ``torchcompile_cat`` fuses nothing and reorders all the same). Collectives must be issued in the same order
-    on every rank: where the dataflow order moves one past another, the trace's own order (the consecutive
+    ``torchcompile_cat`` fuses nothing and reorders all the same; fuzz seed 0 at 4 ranks with writes into views: a
+    rank's all-gather moved past an eager DTensor op that redistributes). Collectives must be issued in the same
+    order on every rank: where the dataflow order moves one past another, the trace's own order (the consecutive
     partition) is used. Programs without collectives are partitioned as thunder does.
     """
     import thunder.executors.data_dependent_partition as partition

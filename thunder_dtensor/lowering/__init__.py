@@ -36,6 +36,7 @@ from thunder_dtensor.lowering.symbols import (
     dtensor_local_ex,
     issues_a_collective,
     local_op_symbol,
+    may_communicate,
     symbol_name,
 )
 from thunder_dtensor.lowering.tracing import GRAPH_CACHE, contiguous_spec
@@ -63,6 +64,7 @@ __all__ = [
     "local_op_symbol",
     "lower_dtensor_program",
     "lowering_enabled",
+    "may_communicate",
     "place_waits_late",
     "symbol_name",
 ]

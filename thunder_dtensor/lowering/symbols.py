@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
-from thunder_dtensor.primitive import to_torch_value
+from thunder_dtensor.primitive import PRIMS, to_torch_value
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
 from thunder_dtensor.spec import DTensorMeta, contiguous_stride
@@ -137,6 +137,12 @@ def collective_symbol(overload: Any) -> ti.Symbol:
 def issues_a_collective(bsym: ti.BoundSymbol) -> bool:
     """Whether ``bsym`` issues one of the lowering's collectives (its wait communicates nothing)."""
     return bsym.sym.name in COLLECTIVE_SYMBOLS and bsym.sym.name != "wait_tensor"
+
+
+def may_communicate(bsym: ti.BoundSymbol) -> bool:
+    """Whether running ``bsym`` may issue a collective: one of the lowering's, or a dtensor prim the lowering kept
+    (it runs the eager DTensor op, whose redistributions communicate)."""
+    return issues_a_collective(bsym) or bsym.sym.name in PRIMS
 
 
 def _unwrap(x: Any, spec: Any, contiguous: bool, *, placements: str = "") -> torch.Tensor:

@@ -58,6 +58,7 @@ from thunder_dtensor.primitive import (
     PRIMS,
     dtensor_rewritten_prim,
     is_generic_vjp,
+    mesh_of_uneven_shards,
     propagate_on_fake_dtensors,
     without_unused_vjp_gradients,
 )
@@ -550,14 +551,9 @@ def _lower_symbol(state: _Lowering, bsyms: list, pairs: dict, i: int) -> None:
     """Lower ``bsyms[i]`` into ``state`` (or keep it as it is, saying why)."""
     bsym = bsyms[i]
     if i in state.pending_backward:
-        saved = state.snapshot()
-        try:
-            state.pending_backward.pop(i)()
-            return
-        except NotLowerable as e:  # the forward part stays lowered; this gradient recomputes it, eagerly
-            state.restore(saved)
-            state.keep(bsym, str(e))
-            return
+        # (a failure: the forward part stays lowered; this gradient recomputes it, eagerly)
+        _lower_agreed(state, bsym, state.pending_backward.pop(i))
+        return
     record = PRIMS.get(bsym.sym.name)
     if record is None:
         state.keep(bsym)
@@ -569,17 +565,38 @@ def _lower_symbol(state: _Lowering, bsyms: list, pairs: dict, i: int) -> None:
     if record.is_generic_vjp:
         state.keep(bsym, "its forward was not lowered (the gradient recomputes it)")
         return
-    saved = state.snapshot()
-    try:
+
+    def lower() -> None:
         if any(_is_empty_dtensor(p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)):
             raise NotLowerable("an empty tensor (thunder's backward of empty values)")
         if i in pairs:
             state.lower_joint(bsym, bsyms[pairs[i]], pairs[i])
         else:
             state.lower_forward(bsym)
+
+    _lower_agreed(state, bsym, lower)
+
+
+def _lower_agreed(state: _Lowering, bsym: ti.BoundSymbol, lower: Callable[[], None]) -> None:
+    """Run ``lower``; where it raises :class:`NotLowerable`, keep ``bsym`` as it is instead.
+
+    On uneven shards every rank decides alike: tracing DTensor's dispatch on one rank's local shapes can fail there
+    only (an empty shard), and a prim lowered on some ranks and kept on others makes programs whose collectives
+    (the lowered ones, the eager op's, the trace-time agreements of sharding propagation) do not pair up (fuzz seed
+    20 at 4 ranks: a hang). One agreement per such prim.
+    """
+    saved = state.snapshot()
+    error: NotLowerable | None = None
+    try:
+        lower()
     except NotLowerable as e:
+        error = e
+    mesh = mesh_of_uneven_shards(list(bsym.flat_proxy_args))
+    if mesh is not None and ti.any_rank_of_mesh(error is not None, mesh) and error is None:
+        error = NotLowerable("it cannot be lowered on another rank's local shard of these uneven shards")
+    if error is not None:
         state.restore(saved)
-        state.keep(bsym, str(e))
+        state.keep(bsym, str(error))
 
 
 def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> ti.TraceCtx:

@@ -75,6 +75,9 @@ FAILURE_KINDS: tuple[str, ...] = (
 #: The thunder runs of a program: name -> ``dtensor_lowering`` of ``thunder.jit`` (None: thunderfx, which runs only
 #: the programs with ``Program.thunderfx``: those that read values into Python, and a share of the others).
 MODES: dict[str, bool | None] = {"lowering": True, "no-lowering": False, "thunderfx": None}
+#: further ``thunder.jit`` options of the lowering mode (``scripts/fuzz.py --one-shot-bytes``: small all-reduces as
+#: one all-gather and a sum, ``dtensor_one_shot_all_reduce_bytes``)
+LOWERING_OPTIONS: dict[str, Any] = {}
 #: each compiled function is called once per data set: the same specs (shapes, placements), other values
 CALLS: tuple[int, ...] = (0, 1)
 
@@ -306,7 +309,9 @@ class Program:
         if MODES[mode] is None:
             compiled, fx_import, how = "thunderfx(fn)", "from thunder.dynamo import thunderfx\n", "thunderfx"
         else:
-            compiled, fx_import, how = f"thunder.jit(fn, dtensor_lowering={MODES[mode]})", "", f"mode {mode}"
+            options = "".join(f", {k}={v!r}" for k, v in _jit_options(mode).items() if k != "dtensor_lowering")
+            compiled = f"thunder.jit(fn, dtensor_lowering={MODES[mode]}{options})"
+            fx_import, how = "", f"mode {mode}"
         retrace_check = (
             ""
             if MODES[mode] is None
@@ -1920,7 +1925,12 @@ def _compile(mode: str, fn: Callable) -> Callable:
         return thunderfx(fn)
     import thunder
 
-    return thunder.jit(fn, dtensor_lowering=MODES[mode])
+    return thunder.jit(fn, **_jit_options(mode))
+
+
+def _jit_options(mode: str) -> dict[str, Any]:
+    """``thunder.jit``'s options in a mode of ``thunder.jit`` (the lowering on or off, :data:`LOWERING_OPTIONS`)."""
+    return {"dtensor_lowering": MODES[mode], **(LOWERING_OPTIONS if MODES[mode] else {})}
 
 
 @dataclass

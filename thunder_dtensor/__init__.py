@@ -25,6 +25,7 @@ _integration.replay_the_state_the_program_leaves()  # attributes set in the prog
 _integration.clamp_slices_as_torch_does()  # mask[:, -window:] with a window longer than the mask
 _integration.take_python_types_as_tensor_dtypes()  # torch.tensor([-1], dtype=int)
 _integration.take_grouped_query_attention_in_sdpa()  # F.scaled_dot_product_attention(..., enable_gqa=True)
+_integration.count_negative_padding_idx_from_the_end()  # F.embedding(ids, w, padding_idx=-1)
 _integration.skip_empty_vectors_in_cat()  # torch.cat([torch.tensor([]), x], dim=-2) (transformers' DynamicCache)
 _integration.register_gradient_hooks_on_real_tensors()  # param.register_post_accumulate_grad_hook(...) in forward
 _integration.give_meta_tensors_a_stride()  # torch.empty(shape, device="meta").stride()

@@ -121,6 +121,12 @@ def _grouped_query_attention(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _embed_with_a_negative_padding_idx(x: torch.Tensor) -> torch.Tensor:
+    """``padding_idx=-1``: the table's last row, whose gradient stays zero (thunder alone gave it one, silently)."""
+    ids = torch.tensor([[0, 3, 1], [3, 2, 3]])
+    return torch.nn.functional.embedding(ids, x, padding_idx=-1)
+
+
 def _append_to_an_empty_cache(x: torch.Tensor) -> torch.Tensor:
     """transformers' ``DynamicCache``: each layer starts from ``torch.tensor([])``."""
     return torch.cat([torch.tensor([], dtype=torch.float64), x.view(1, 4, 3)], dim=-2)
@@ -395,6 +401,11 @@ def test_grouped_query_attention_forward_and_backward():
     assert_jit_matches_eager(_grouped_query_attention, (4, 3))
 
 
+def test_a_negative_padding_idx_counts_from_the_end_of_the_table():
+    x, _ = assert_jit_matches_eager(_embed_with_a_negative_padding_idx, (4, 3))
+    assert torch.count_nonzero(x.grad[3]) == 0
+
+
 def test_cat_skips_an_empty_vector_as_torch_does():
     x = torch.randn(4, 3)
     out = thunder.jit(_append_to_an_empty_cache)(x)
@@ -476,7 +487,7 @@ try:
     errors["_scale_by_the_top_values"] = None
 except Exception as e:
     errors["_scale_by_the_top_values"] = f"{{type(e).__name__}}: {{e}}"
-for name in ("_scale_a_view_in_place", "_add_into_a_view"):
+for name in ("_scale_a_view_in_place", "_add_into_a_view", "_embed_with_a_negative_padding_idx"):
     x = torch.randn(4, 3, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     thunder.jit(getattr(t, name))(x).sum().backward()
@@ -522,6 +533,7 @@ def test_each_program_fails_on_thunder_without_the_fixes():
     assert "expand: attempting to expand a dimension of length 5" in errors["_scale_by_the_top_values"]
     assert errors["_scale_a_view_in_place"] > 1.0  # 3 where eager's is 1.5
     assert errors["_add_into_a_view"] > 1.0  # b's gradient (8 per element) lost
+    assert errors["_embed_with_a_negative_padding_idx"] > 1.0  # the padding row's gradient (3), silently
     # (torch >= 2.14: thunder fails earlier, at any custom Function without the builtin-apply fix)
     custom_function = (
         "KeyError: None" if _integration.FUNCTION_APPLY_IS_BUILTIN else "expected str instance, method found"

@@ -248,10 +248,15 @@ class Program:
 
     @property
     def tables(self) -> tuple[int, ...]:
-        """The indices of the vocab-sharded embedding tables: their gradients keep the tables' placements, Partial
-        where eager's is (``table_gradient_placements_accepted``)."""
+        """The indices of the embedding tables whose gradients keep the tables' placements, Partial where eager's is
+        (``table_gradient_placements_accepted``): vocab-sharded ones, and those of a lookup with
+        ``scale_grad_by_freq=True`` (counted over the whole batch, on replicated ids: ``ops/embedding.py``; eager's
+        own gradient there is ``Partial`` of per-shard counts, fuzz seeds 53 and 11296)."""
         names = {n for s in self.steps for n in s.tables}
-        return tuple(k for k, i in enumerate(self.inputs) if i.name in names and "S0" in i.placements)
+        counted = {n for s in self.steps for n in s.tables if "scale_grad_by_freq=True" in s.line}
+        return tuple(
+            k for k, i in enumerate(self.inputs) if i.name in names and ("S0" in i.placements or i.name in counted)
+        )
 
     @property
     def reads_data(self) -> bool:
@@ -342,7 +347,7 @@ SPECS = [  # full shape, make_full seeds (first call, second call), placements, 
 ]
 NUMBERS = {list(self.numbers)!r}  # the numbers the program reads with .item(), returned beside its output
 WRITTEN = {list(self.written)!r}  # the inputs it writes into (max_norm): compared after the call
-TABLES = {list(self.tables)!r}  # vocab-sharded tables: the gradient keeps their placements (Partial where eager's is)
+TABLES = {list(self.tables)!r}  # vocab-sharded or counted tables: the gradient keeps their placements
 COTANGENT_SEEDS = ({self.cotangent_seed}, {_second_seed(self.cotangent_seed)})
 RTOL, ATOL = {tol["rtol"]}, {tol["atol"]}
 

@@ -608,6 +608,36 @@ def take_grouped_query_attention_in_sdpa() -> None:
     add_scoped_lookaside("take_grouped_query_attention_in_sdpa", sdpa, lookaside)
 
 
+def _embedding_with_a_row_index(
+    input: Any,
+    weight: Any,
+    padding_idx: Any = None,
+    max_norm: Any = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Any:
+    """``F.embedding`` with a negative ``padding_idx`` counted from the table's end, as torch's ``F.embedding`` does
+    before it calls the op."""
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx = weight.shape[0] + padding_idx
+    return ltorch.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+
+
+@installer("thunder-fix", "F.embedding counts a negative padding_idx from the table's end, as torch does")
+def count_negative_padding_idx_from_the_end() -> None:
+    """thunder 0.2.6 passes ``F.embedding(ids, w, padding_idx=-4)``'s index to its backward as it is, which then
+    matches no row: the padding row gets a gradient, silently (fuzz seed 11296 under plain thunder.jit; torch's
+    ``F.embedding`` first makes it ``w.shape[0] - 4``). DTensor lookups are the package's own rule."""
+    from thunder.core import jit_ext
+
+    add_scoped_lookaside(
+        "count_negative_padding_idx_from_the_end",
+        torch.nn.functional.embedding,
+        jit_ext.interpreter_needs_wrap(_embedding_with_a_row_index),
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Attribute writes on a captured object that thunder recorded only in part
 # ---------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ local sum.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -66,7 +67,8 @@ def functional_all_reduces(bsyms: list, trace: Any) -> list:
 
     The value is the same (the in-place write that follows, ``copy_``, stays); the program then holds no c10d call
     on a process group object: a fusion region compiles it without dynamo (``compile_fused_regions_without_dynamo``)
-    and the waits move to their readers like the lowering's own. Composites holding such a call are opened.
+    and the waits move to their readers like the lowering's own. Composites holding such a call are opened (those
+    holding none are kept whole).
     """
     all_reduce = collective_symbol(torch.ops._c10d_functional.all_reduce.default)
     wait = collective_symbol(torch.ops._c10d_functional.wait_tensor.default)
@@ -80,19 +82,18 @@ def functional_all_reduces(bsyms: list, trace: Any) -> list:
                 all_reduce.bind(tensor, reduce_op, group, mesh_dim=None, output=issued),
                 wait.bind(issued, output=bsym.output),
             ]
-        elif bsym.subsymbols and not bsym.sym.is_prim and _holds_process_group_all_reduce(bsym):
+        elif bsym.subsymbols and not bsym.sym.is_prim:
             converted = functional_all_reduces(list(bsym.subsymbols), trace)
+            unchanged = len(converted) == len(bsym.subsymbols) and all(map(operator.is_, converted, bsym.subsymbols))
+            if unchanged:
+                out.append(bsym)
+                continue
         else:
             out.append(bsym)
             continue
         inherit_backward_tag(bsym, converted)
         out.extend(converted)
     return out
-
-
-def _holds_process_group_all_reduce(bsym: Any) -> bool:
-    inner = bsym.subsymbols
-    return any(ti.process_group_all_reduce(b) is not None or _holds_process_group_all_reduce(b) for b in inner)
 
 
 def all_reduces_in_one_shot(bsyms: list, trace: Any, max_bytes: int) -> list:

@@ -620,8 +620,9 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
         inherit_backward_tag(bsym, state.bsyms[emitted_from:])
     new_trace = state.trace
     bsyms = place_waits_late(issue_collectives_early(state.bsyms) if issue_early_enabled() else state.bsyms)
-    if one_shot_all_reduce_bytes() > 0:
-        bsyms = all_reduces_in_one_shot(bsyms, new_trace, one_shot_all_reduce_bytes())
+    one_shot_bytes = one_shot_all_reduce_bytes()
+    if one_shot_bytes > 0:
+        bsyms = all_reduces_in_one_shot(bsyms, new_trace, one_shot_bytes)
     new_trace.bound_symbols = unwrap_early(claimed(bsyms, executors))
     new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  # (see annotate_not_lowered)
     new_trace.set_provenance(ti.TraceProvenance(f"DTensor lowering ({state.lowered} prims lowered)"))

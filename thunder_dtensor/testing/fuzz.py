@@ -314,9 +314,8 @@ class Program:
         if MODES[mode] is None:
             compiled, fx_import, how = "thunderfx(fn)", "from thunder.dynamo import thunderfx\n", "thunderfx"
         else:
-            options = "".join(f", {k}={v!r}" for k, v in _jit_options(mode).items() if k != "dtensor_lowering")
-            compiled = f"thunder.jit(fn, dtensor_lowering={MODES[mode]}{options})"
-            fx_import, how = "", f"mode {mode}"
+            options = ", ".join(f"{k}={v!r}" for k, v in _jit_options(mode).items())
+            compiled, fx_import, how = f"thunder.jit(fn, {options})", "", f"mode {mode}"
         retrace_check = (
             ""
             if MODES[mode] is None

@@ -12,6 +12,7 @@ import thunder_dtensor  # noqa: F401  (first: makes thunder importable on torch 
 from thunder_dtensor import _integration
 from thunder_dtensor.testing import assert_jit_matches_eager
 
+import pytest
 import thunder
 import torch
 
@@ -404,6 +405,11 @@ def test_grouped_query_attention_forward_and_backward():
 def test_a_negative_padding_idx_counts_from_the_end_of_the_table():
     x, _ = assert_jit_matches_eager(_embed_with_a_negative_padding_idx, (4, 3))
     assert torch.count_nonzero(x.grad[3]) == 0
+    ids = torch.tensor([[0, 3, 1]])
+    before_the_start = thunder.jit(lambda i, w: torch.nn.functional.embedding(i, w, padding_idx=-5))
+    for fn in (before_the_start, lambda i, w: torch.nn.functional.embedding(i, w, padding_idx=-5)):  # as torch
+        with pytest.raises(AssertionError, match="Padding_idx must be within num_embeddings"):
+            fn(ids, torch.randn(4, 3))
 
 
 def test_cat_skips_an_empty_vector_as_torch_does():

@@ -618,8 +618,10 @@ def _embedding_with_a_row_index(
     sparse: bool = False,
 ) -> Any:
     """``F.embedding`` with a negative ``padding_idx`` counted from the table's end, as torch's ``F.embedding`` does
-    before it calls the op."""
+    before it calls the op (refusing one before the table's start, as torch does)."""
     if padding_idx is not None and padding_idx < 0:
+        if padding_idx < -weight.shape[0]:
+            raise AssertionError("Padding_idx must be within num_embeddings")
         padding_idx = weight.shape[0] + padding_idx
     return ltorch.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
 

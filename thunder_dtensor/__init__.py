@@ -98,6 +98,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.run_cpu_ops_with_torch_kernels()  # CPU gelu/silu/layer_norm/complex views/SDPA: torch's kernels
     _integration.make_autograd_dummies_without_random_numbers()  # per-call time: no meta randn per training call
     _integration.compile_fused_regions_without_dynamo()  # and torch.compile executor regions skip dynamo's frame
+    _integration.keep_fused_regions_in_program_order()  # rematerialization does not reorder a region (memory)
 
     from thunder_dtensor import tp_hooks
 

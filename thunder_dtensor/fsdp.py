@@ -22,9 +22,15 @@ put the same steps into the program instead:
   saves the sharded parameters for the backward and gathers again where the backward first needs them;
 * the all-gather's gradient is ``dtensor_fsdp_reduce_scatter_prim`` of the group's trainable parameters;
   with gradient sync off it is ``dtensor_fsdp_accumulate_prim`` instead, which keeps the unsharded
-  gradients (in ``reduce_dtype``) for the next reduce-scatter, and the parameters get no gradient;
-* the prologue checks each group's gradient-sync switches, so switching them retraces.
+  gradients (in ``reduce_dtype``) for the next reduce-scatter, and the parameters get no gradient; the
+  first step with sync on again adds them (``dtensor_fsdp_reduce_scatter_with_kept_prim``);
+* the prologue checks each group's gradient-sync switches, and whether kept gradients await, so a change
+  retraces.
 
+The all-gather and the reduce-scatter are written with functional ops and torch's functional collectives: the
+lowering traces them into the program like any dtensor prim (the copies into and out of FSDP2's flat buffers
+then fuse with the math around them, and one inductor graph spans the collectives). Only the accumulation and
+the reduce-scatter that takes kept gradients, which read and write state outside the program, run eagerly.
 The program's inputs stay the sharded parameters, so gradients land in ``param.grad`` as with FSDP2.
 """
 
@@ -43,20 +49,16 @@ from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.spec import DTensorMeta, contiguous_stride
 
 import torch
-import torch.distributed as dist
 
 __all__ = [
     "dtensor_fsdp_accumulate_prim",
     "dtensor_fsdp_all_gather_prim",
     "dtensor_fsdp_reduce_scatter_prim",
+    "dtensor_fsdp_reduce_scatter_with_kept_prim",
     "install",
 ]
 
-#: torch 2.13 renamed the flat collectives FSDP2 uses (the old names warn there)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _HINT = "compile the model with thunderfx (thunder.dynamo.thunderfx), which runs FSDP2's hooks eagerly"
-_NOT_LOWERED = "FSDP2's collectives on its own flat buffers (c10d)"
 
 #: id(sharded parameter) -> (a weak reference to it, id of its FSDP2 group, its index in the group)
 _MANAGED: dict[int, tuple[weakref.ref, int, int]] = {}
@@ -124,37 +126,29 @@ def _all_gather_meta(layout: ti.FSDPGroupLayout, *sharded: DTensorProxy) -> tupl
     return tuple(outputs)
 
 
-def _rows_into(buffer: torch.Tensor, source: torch.Tensor, chunk: int, world: int) -> None:
-    """Copy ``source`` (rows, ...) into ``buffer`` viewed as (world, chunk, ...): rank r's chunk of rows in
-    ``buffer[r]`` (``torch.chunk``'s split), the padding zeroed; one pass, casting to ``buffer``'s dtype."""
-    rows, full = source.shape[0], min(source.shape[0] // chunk, world) if chunk else 0
-    if full:
-        buffer[:full].copy_(source[: full * chunk].view(full, chunk, *source.shape[1:]))
-    if full < world:
-        tail = rows - full * chunk
-        buffer[full, :tail].copy_(source[full * chunk :])
-        buffer[full, tail:].zero_()
-        buffer[full + 1 :].zero_()
+def _padded_to_rows(local: torch.Tensor, rows: int) -> torch.Tensor:
+    """``local`` (at most ``rows`` rows) with zero rows appended up to ``rows``: ``torch.chunk``'s split, padded."""
+    missing = rows - local.shape[0]
+    if missing == 0:
+        return local
+    return torch.nn.functional.pad(local, (0, 0) * (local.dim() - 1) + (0, missing))
 
 
 def _all_gather(layout: ti.FSDPGroupLayout, *sharded: Any) -> tuple:
-    """Each parameter of the group unsharded: its TP shard as a DTensor on the tp mesh, or a plain tensor."""
+    """Each parameter of the group unsharded: its TP shard as a DTensor on the tp mesh, or a plain tensor.
+
+    Written with functional ops and a functional all-gather, so that the lowering traces it into the program
+    (the copy into the flat buffer and the cuts out of the gathered one then fuse with the math around them).
+    """
     world = layout.shard_size
     locals_ = [ti.local_tensor(s) for s in sharded]
     dtype = layout.param_dtype or locals_[0].dtype
     shapes = [_unsharded_local_shape(p, s) for p, s in zip(layout.params, sharded)]
     sizes = [_padded_rows(shape[0], world) * math.prod(shape[1:]) for shape in shapes]
-    flat = locals_[0].new_empty((sum(sizes),), dtype=dtype)
-    offset = 0
-    for local, shape, n in zip(locals_, shapes, sizes):  # this rank's shards, padded, in one buffer
-        chunk = _padded_rows(shape[0], world)
-        _rows_into(flat[offset : offset + n].view(1, chunk, *shape[1:]), local, chunk, 1)
-        offset += n
-    gathered = flat.new_empty((world * flat.numel(),))
-    if world > 1:
-        _all_gather_single(gathered, flat, group=layout.shard_group)
-    else:
-        gathered.copy_(flat)
+    # this rank's shards, each padded to its chunk of rows, in one flat buffer
+    pieces = [_padded_to_rows(local.to(dtype), _padded_rows(shape[0], world)) for local, shape in zip(locals_, shapes)]
+    flat = torch.cat([piece.reshape(-1) for piece in pieces])
+    gathered = ti.all_gather_dim0(flat, layout.shard_group.group_name) if world > 1 else flat
     gathered = gathered.view(world, -1)
     outputs, offset = [], 0
     for param, shape, n in zip(layout.params, shapes, sizes):
@@ -169,14 +163,13 @@ def _all_gather(layout: ti.FSDPGroupLayout, *sharded: Any) -> tuple:
 
 def _unsharded_local_shape(param: ti.FSDPParamLayout, sharded: Any) -> tuple[int, ...]:
     """This rank's shape of the unsharded parameter (its TP shard, or the whole tensor)."""
-    spec = param.unsharded_spec
-    if spec is None:
+    if param.unsharded_local_shape is None:
         return tuple(int(s) for s in sharded.shape)
-    return ti.local_shape_on(tuple(spec.tensor_meta.shape), spec.mesh, tuple(spec.placements))
+    return param.unsharded_local_shape
 
 
 dtensor_fsdp_all_gather_prim = define_dtensor_prim(
-    "fsdp_all_gather", _all_gather, meta=_all_gather_meta, differentiable=False, not_lowered=_NOT_LOWERED
+    "fsdp_all_gather", _all_gather, meta=_all_gather_meta, differentiable=False
 )
 
 
@@ -212,40 +205,29 @@ def _reduce_dtype(layout: ti.FSDPGroupLayout, grads: tuple) -> torch.dtype:
     return layout.reduce_dtype or grads[0].dtype
 
 
-def _reduce_scatter(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> tuple:
-    """The group's sharded gradients: each rank's unsharded gradients (plus those kept while sync was off),
-    reduced over the data-parallel ranks and scattered (dim 0) like the sharded parameters."""
+def _reduce_scatter_locals(layout: ti.FSDPGroupLayout, indices: tuple, locals_: list) -> tuple:
+    """The group's sharded gradients from each rank's local unsharded ones: reduced over the data-parallel ranks
+    (HSDP: then across replicas) and scattered (dim 0) like the sharded parameters. Functional ops and
+    collectives, as the all-gather."""
     world, rank = layout.shard_size, layout.shard_rank
-    dtype = _reduce_dtype(layout, grads)
-    group = layout.group()
-    pending = _PENDING.pop(group, {}) if group is not None else {}
-    locals_ = []
-    for i, g in zip(indices, grads):
-        local = _unsharded_grad(layout.params[i], g)
-        locals_.append(pending[i] + local if i in pending else local)
+    dtype = layout.reduce_dtype or locals_[0].dtype
     shapes = [tuple(local.shape) for local in locals_]
-    columns = [_padded_rows(shape[0], world) * math.prod(shape[1:]) for shape in shapes]
-    flat = locals_[0].new_empty((world, sum(columns)), dtype=dtype)
-    offset = 0
-    for local, shape, n in zip(locals_, shapes, columns):  # rank r's rows of every gradient in flat[r], padded
-        chunk = _padded_rows(shape[0], world)
-        _rows_into(flat[:, offset : offset + n].view(world, chunk, *shape[1:]), local, chunk, world)
-        offset += n
-    del locals_
-    flat = flat.view(-1)
-    op = dist.ReduceOp.SUM if layout.sum_then_divide else dist.ReduceOp.AVG
-    out = flat.new_empty((flat.numel() // world,))
-    if world > 1:
-        _reduce_scatter_single(out, flat, op=op, group=layout.shard_group)
-    else:
-        out.copy_(flat)
+    # rank r's rows of every gradient in row r, each padded to its chunk
+    columns = [
+        _padded_to_rows(local.to(dtype), world * _padded_rows(shape[0], world)).reshape(world, -1)
+        for local, shape in zip(locals_, shapes)
+    ]
+    flat = torch.cat(columns, dim=1).reshape(-1)
+    op: ti.FunctionalReduceOp = "sum" if layout.sum_then_divide else "avg"
+    out = ti.reduce_scatter_dim0(flat, layout.shard_group.group_name, op) if world > 1 else flat
     if layout.replicate_group is not None:
-        dist.all_reduce(out, op=op, group=layout.replicate_group)
+        out = ti.all_reduce_tensor(out, layout.replicate_group.group_name, op)
     if layout.sum_then_divide:
-        out.div_(layout.divide_factor)
+        out = out / layout.divide_factor
     results, offset = [], 0
     # each gradient's chunk (n elements), cut to this rank's rows
-    for i, shape, n in zip(indices, shapes, columns):
+    for i, shape, column in zip(indices, shapes, columns):
+        n = column.shape[1]
         spec = _sharded_grad_spec(layout.params[i].sharded_spec)
         mine = out[offset : offset + n].view((_padded_rows(shape[0], world), *shape[1:]))
         mine = mine[: _local_rows(shape[0], world, rank)]
@@ -254,9 +236,47 @@ def _reduce_scatter(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> 
     return tuple(results)
 
 
+def _reduce_scatter(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> tuple:
+    """The group's sharded gradients (see :func:`_reduce_scatter_locals`)."""
+    locals_ = [_unsharded_grad(layout.params[i], g) for i, g in zip(indices, grads)]
+    return _reduce_scatter_locals(layout, indices, locals_)
+
+
 dtensor_fsdp_reduce_scatter_prim = define_dtensor_prim(
-    "fsdp_reduce_scatter", _reduce_scatter, meta=_reduce_scatter_meta, differentiable=False, not_lowered=_NOT_LOWERED
+    "fsdp_reduce_scatter", _reduce_scatter, meta=_reduce_scatter_meta, differentiable=False
 )
+
+
+def _reduce_scatter_with_kept(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> tuple:
+    """As :func:`_reduce_scatter`, of the gradients plus those kept while gradient sync was off (taken)."""
+    group = layout.group()
+    kept = _PENDING.pop(group, {}) if group is not None else {}
+    locals_ = []
+    for i, g in zip(indices, grads):
+        local = _unsharded_grad(layout.params[i], g)
+        locals_.append(kept[i] + local if i in kept else local)
+    return _reduce_scatter_locals(layout, indices, locals_)
+
+
+dtensor_fsdp_reduce_scatter_with_kept_prim = define_dtensor_prim(
+    "fsdp_reduce_scatter_with_kept",
+    _reduce_scatter_with_kept,
+    meta=_reduce_scatter_meta,
+    differentiable=False,
+    not_lowered="it adds the gradients FSDP2 kept while gradient sync was off (state outside the program)",
+)
+
+
+def _has_kept_gradients(layout: ti.FSDPGroupLayout) -> bool:
+    group = layout.group()
+    return group is not None and bool(_PENDING.get(group))
+
+
+def _gradient_state(layout: ti.FSDPGroupLayout) -> tuple:
+    """The group's gradient-sync switches, and whether gradients kept while sync was off await the next
+    reduce-scatter: the program is traced for both, and the prologue checks them (a change retraces)."""
+    switches = ti.fsdp_gradient_switches(layout)
+    return (*switches, bool(switches[0]) and _has_kept_gradients(layout))
 
 
 def _accumulate_meta(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> None:
@@ -292,11 +312,12 @@ def _all_gather_grad_rule(layout: ti.FSDPGroupLayout, *sharded: DTensorProxy) ->
     if not indices:
         return outputs
     cotangents = tuple(ti.get_grad(outputs[i]) for i in indices)
-    reduce_grads = ti.fsdp_gradient_switches(layout)[0]
+    reduce_grads, *_, with_kept = _gradient_state(layout)
     if not reduce_grads:
         dtensor_fsdp_accumulate_prim(layout, indices, *cotangents)
         return outputs
-    grads = dtensor_fsdp_reduce_scatter_prim(layout, indices, *cotangents)
+    reduce_scatter = dtensor_fsdp_reduce_scatter_with_kept_prim if with_kept else dtensor_fsdp_reduce_scatter_prim
+    grads = reduce_scatter(layout, indices, *cotangents)
     for i, grad in zip(indices, grads):
         ti.put_grad(sharded[i], grad)
     return outputs
@@ -313,9 +334,9 @@ def _check_switches_meta(layout: Any, expected: tuple) -> None:
 
 
 def _check_switches_impl(layout: Any, expected: tuple) -> None:
-    actual = ti.fsdp_gradient_switches(layout)
+    actual = _gradient_state(layout)
     if actual != expected:
-        raise RuntimeError(f"FSDP2 gradient-sync switches of {layout} changed: traced {expected}, now {actual}")
+        raise RuntimeError(f"FSDP2 gradient-sync state of {layout} changed: traced {expected}, now {actual}")
 
 
 _check_fsdp_switches, _run_check_fsdp_switches = define_prologue_check(
@@ -375,7 +396,7 @@ def _gather_group(layout: ti.FSDPGroupLayout, sharded: tuple, module: Any, state
         return
     if layout.unsupported:
         raise _refuse(layout, sharded, layout.unsupported)
-    switches = ti.fsdp_gradient_switches(layout)
+    switches = _gradient_state(layout)
     if not switches[1] and layout.replicate_group is not None:
         raise _refuse(layout, sharded, "set_requires_all_reduce(False) (HSDP without the all-reduce)")
     if not switches[2]:

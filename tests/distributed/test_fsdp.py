@@ -13,9 +13,11 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from thunder_dtensor import DTensorOpError
-from thunder_dtensor.testing import comm_counts, device_type, world_size
+from thunder_dtensor.lowering import issues_a_collective
+from thunder_dtensor.testing import CollectivesByGroup, collectives_issued, comm_counts, device_type, world_size
 from thunder_dtensor.testing.training import COMPILERS
 
 import pytest
@@ -23,6 +25,7 @@ import thunder
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from thunder.executors.torch_compile import torch_compile_ex
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -31,9 +34,12 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 STEPS = 3
+#: the front ends, and thunder.jit with thunder's torch.compile executor first (the fused program of issue 44)
+_COMPILERS = {
+    **COMPILERS,
+    "jit_fused": lambda m: thunder.jit(m, executors=[torch_compile_ex, *thunder.get_default_executors()]),
+}
 DIM = 16
-#: FSDP2's collectives (c10d's, counted exactly); tensor parallelism adds functional ones, compared as "no more"
-FSDP_OPS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
 #: bf16 compute: eager and thunder round differently inside the ops (eager's fused kernels keep fp32)
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
 
@@ -122,14 +128,17 @@ def _batch(step: int, micro: int, rank: int) -> torch.Tensor:
     return torch.randn(4, DIM, generator=g)
 
 
-def _counts(mode: CommDebugMode) -> tuple[dict[str, int], dict[str, int]]:
-    """FSDP2's collectives by kind, and all of them (``comm_counts``: FSDP2's plus tensor parallelism's)."""
-    raw = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items() if n}
-    fsdp = {FSDP_OPS[name]: n for name, n in raw.items() if name in FSDP_OPS}
-    return fsdp, comm_counts(mode)
+def _counts(mode: CommDebugMode, by_group: CollectivesByGroup, case: Case, mesh) -> tuple[dict, dict]:
+    """FSDP2's collectives (those on the groups of its mesh dims) by kind, and all of them by kind."""
+    return by_group.of(*_fsdp_groups(case, mesh)), comm_counts(mode)
 
 
-def _train_side_by_side(case: Case, compiler: str) -> tuple[Net, Callable, list]:
+def _fsdp_groups(case: Case, mesh) -> list[str]:
+    """The process groups FSDP2 communicates over (counted exactly; tensor parallelism's as "no more")."""
+    return [mesh.get_group(name).group_name for name in case.dp_dims]
+
+
+def _train_side_by_side(case: Case, compiler: str) -> tuple[Net, Callable, list, Any]:
     """Train eager FSDP2 and the compiled model; assert losses, gradients, placements and collectives match."""
     mesh = case.build_mesh()
     torch.manual_seed(0)
@@ -138,7 +147,7 @@ def _train_side_by_side(case: Case, compiler: str) -> tuple[Net, Callable, list]
         for p in (*ref.inp.parameters(), *ref.blocks[1].norm.parameters()):
             p.requires_grad_(False)
     eager, model = _wrap(ref, case, mesh), _wrap(ref, case, mesh)
-    compiled = COMPILERS[compiler](model)
+    compiled = _COMPILERS[compiler](model)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
     tol = BF16_TOL if case.mixed_precision else {"rtol": 1e-5, "atol": 1e-6}
     rank = _data_rank(case, mesh)
@@ -152,11 +161,12 @@ def _train_side_by_side(case: Case, compiler: str) -> tuple[Net, Callable, list]
                 if case.micro_batches > 1:
                     (eager if m is eager else model).set_requires_gradient_sync(last)
                 mode = CommDebugMode() if step > 0 else contextlib.nullcontext()
-                with mode:
+                by_group = CollectivesByGroup() if step > 0 else contextlib.nullcontext()
+                with mode, by_group:
                     loss = m(x).float().pow(2).mean()
                     loss.backward()
                 losses.append(loss.detach())
-                counts.append(_counts(mode) if step > 0 else None)
+                counts.append(_counts(mode, by_group, case, mesh) if step > 0 else None)
             torch.testing.assert_close(losses[1], losses[0], **tol)
             if step > 0:
                 (fsdp, every), (eager_fsdp, eager_every) = counts[1], counts[0]
@@ -176,7 +186,7 @@ def _train_side_by_side(case: Case, compiler: str) -> tuple[Net, Callable, list]
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
-    return model, compiled, counted
+    return model, compiled, counted, mesh
 
 
 def _params(name: str) -> list:
@@ -186,7 +196,7 @@ def _params(name: str) -> list:
 @pytest.mark.parametrize(("case", "compiler"), [p for name in CASES for p in _params(name)])
 def test_trains_like_eager_fsdp2(case, compiler):
     c = CASES[case]
-    model, compiled, counted = _train_side_by_side(c, compiler)
+    model, compiled, counted, mesh = _train_side_by_side(c, compiler)
     if c.micro_batches > 1:  # no reduce-scatter until the micro-batch that syncs
         for i, counts in enumerate(counted):
             synced = i % c.micro_batches == c.micro_batches - 1
@@ -195,14 +205,67 @@ def test_trains_like_eager_fsdp2(case, compiler):
         return
     groups = len(model.blocks) + 1
     fwd, bwd = thunder.last_traces(compiled)[-1], thunder.last_backward_traces(compiled)[-1]
-    assert str(fwd).count("= dtensor_fsdp_all_gather_prim(") == groups  # one collective per fully_shard group
+    fsdp_groups = _fsdp_groups(c, mesh)
+    # lowered: FSDP2's collectives are functional ones in the program, nothing of FSDP2 runs eagerly
+    assert "dtensor_fsdp_all_gather_prim" not in str(fwd) + str(bwd)
+    # one all-gather per fully_shard group
+    assert collectives_issued([fwd], fsdp_groups) == {"all_gather_into_tensor": groups}
     # resharding: each block's gathered parameters are not saved for the backward, which gathers them again
-    regathered = str(bwd).count("= dtensor_fsdp_all_gather_prim(")
+    regathered = collectives_issued([bwd], fsdp_groups).get("all_gather_into_tensor", 0)
     assert regathered == (len(model.blocks) if c.reshard_after_forward else 0)
     if c.micro_batches > 1:  # a program with gradient sync off and one with it on, each reused
         assert thunder.cache_misses(compiled) == 2 and thunder.cache_hits(compiled) == 2 * STEPS - 2
     else:
         assert thunder.cache_misses(compiled) == 1
+
+
+def test_fused_fsdp2_backward_reduce_scatters_each_block_before_gathering_the_next():
+    """Under thunder's torch.compile executor the lowered FSDP2 backward is one inductor region, which keeps the
+    program's order (``keep_fused_regions_in_program_order``; thunder's rematerialization had re-sorted it, every
+    all-gather first and every reduce-scatter last: all unsharded gradients alive at once). Losses, gradients and
+    FSDP2's collectives equal eager FSDP2's."""
+    model, compiled, _, _ = _train_side_by_side(CASES["fsdp"], "jit_fused")
+    backward = thunder.last_backward_traces(compiled)[-1]
+    regions = [b for b in backward.bound_symbols if b.sym.name.startswith("TorchCompile")]
+    assert len(regions) == 1
+    issued = [b.sym.name for b in regions[0].subsymbols if issues_a_collective(b)]
+    # each block (last first): gather its parameters again, reduce-scatter its gradients; then the root's
+    blocks = len(model.blocks)
+    assert issued == ["all_gather_into_tensor", "reduce_scatter_tensor"] * blocks + ["reduce_scatter_tensor"]
+
+
+def test_a_synced_step_adds_the_gradients_kept_while_sync_was_off_once():
+    """Micro-batches with gradient sync off keep unsharded gradients outside the program; the next synced step adds
+    them (a reduce-scatter run eagerly, for it reads that state), and a synced step with none kept runs the lowered
+    reduce-scatter, which must not add them again. Each of the three programs is traced once."""
+    case = Case()
+    mesh = case.build_mesh()
+    torch.manual_seed(0)
+    ref = Net()
+    eager, model = _wrap(ref, case, mesh), _wrap(ref, case, mesh)
+    compiled = thunder.jit(model)
+    # the sync switch of each micro-batch, per step
+    schedule = [(False, True), (True,), (False, False, True), (True,), (False, True)]
+    for step, syncs in enumerate(schedule):
+        for micro, sync in enumerate(syncs):
+            x = _batch(step, micro, dist.get_rank())
+            for m, run in ((eager, eager), (model, compiled)):
+                m.set_requires_gradient_sync(sync)
+                run(x).pow(2).mean().backward()
+        if step < 2:  # the steps that trace (thunder's last traces are the last compiled ones)
+            backward = thunder.last_backward_traces(compiled)[-1]
+            kept = len(syncs) > 1
+            assert ("dtensor_fsdp_reduce_scatter_with_kept_prim" in str(backward)) == kept, step
+            reduce_scatters = collectives_issued([backward]).get("reduce_scatter_tensor", 0)
+            assert reduce_scatters == (0 if kept else len(model.blocks) + 1), step
+        for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(
+                q.grad.to_local(), p.grad.to_local(), msg=lambda m, n=f"step {step} {name}": f"{n}: {m}"
+            )
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+    # sync off; sync on with kept gradients; sync on with none kept
+    assert thunder.cache_misses(compiled) == 3
 
 
 def _first_error(model: nn.Module) -> str:

@@ -68,7 +68,8 @@ What is patched, and why:
   ``Symbol.bind`` reads each meta's signature once (``bind_symbols_with_cached_signatures``); thunder's
   autograd bridge makes its meta dummy tensors with ``empty`` (``make_autograd_dummies_without_random_numbers``);
   thunder's torch.compile executor compiles its regions with inductor, without dynamo
-  (``compile_fused_regions_without_dynamo``).
+  (``compile_fused_regions_without_dynamo``); a fusion region that rematerialization rebuilds keeps the program's
+  order (``keep_fused_regions_in_program_order``: memory and overlap).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
@@ -167,6 +168,13 @@ from thunder_dtensor._integration.bootstrap import (
     variableify,
     writes_into_an_input,
 )
+from thunder_dtensor._integration.collectives import (
+    FunctionalReduceOp,
+    all_gather_dim0,
+    all_reduce_tensor,
+    all_to_all,
+    reduce_scatter_dim0,
+)
 from thunder_dtensor._integration.compile_pipeline import (
     TraceProvenance,
     below_autograd,
@@ -191,11 +199,8 @@ from thunder_dtensor._integration.compile_pipeline import (
     trace_aten_graph,
 )
 from thunder_dtensor._integration.context_parallel import (
-    all_gather_dim0,
-    all_to_all,
     context_parallel_dispatch_enabled,
     head_tail_layout,
-    reduce_scatter_sum_dim0,
     rotate_method,
 )
 from thunder_dtensor._integration.fixes.cpu_kernels import run_cpu_ops_with_torch_kernels
@@ -205,6 +210,8 @@ from thunder_dtensor._integration.fixes.speedups import (
     call_partials_outside_the_interpreter,
     compile_fused_regions_without_dynamo,
     dispatch_module_calls_outside_the_interpreter,
+    in_stable_topological_order,
+    keep_fused_regions_in_program_order,
     make_autograd_dummies_without_random_numbers,
     make_exception_frames_without_a_busy_wait,
     run_interpreter_helpers_directly,
@@ -385,7 +392,9 @@ __all__ += [
     "accept_dtensor_proxies",
     "add_dtensor_executor",
     "add_prologue_constraint",
+    "FunctionalReduceOp",
     "all_gather_dim0",
+    "all_reduce_tensor",
     "all_to_all",
     "below_autograd",
     "bind_unpack_dtensor_spec",
@@ -457,7 +466,7 @@ __all__ += [
     "note_dtensor_op_traced",
     "outside_tracing_modes",
     "recording_aten_calls",
-    "reduce_scatter_sum_dim0",
+    "reduce_scatter_dim0",
     "register_grad",
     "register_lookaside",
     "rng_state",
@@ -499,6 +508,8 @@ __all__ += [
     "call_partials_outside_the_interpreter",
     "call_proxy_conversions_whole",
     "compile_fused_regions_without_dynamo",
+    "in_stable_topological_order",
+    "keep_fused_regions_in_program_order",
     "consult_scoped_entries",
     "dispatch_module_calls_outside_the_interpreter",
     "fix_complex_gradients",

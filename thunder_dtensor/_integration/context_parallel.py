@@ -42,34 +42,3 @@ def rotate_method() -> RotateMethod:
     """The k / v rotation ``set_rotate_method`` chose (torch's default: one all-gather)."""
     attention = _attention_module()
     return "alltoall" if attention._cp_options.rotate_method == attention._RotateMethod.ALL_TO_ALL else "allgather"
-
-
-# --- torch's functional collectives, by group name (names and signatures differ across torch releases) ---------
-def _funcol() -> Any:
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol
-
-
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    funcol = _funcol()
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t  # (traced: already waited)
-
-
-def all_gather_dim0(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Every rank's ``t``, concatenated along dim 0 (``all_gather_single``; ``all_gather_tensor`` before 2.13)."""
-    funcol = _funcol()
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    return _waited(gather(t, 0, group_name))
-
-
-def reduce_scatter_sum_dim0(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """This rank's chunk (dim 0) of the sum of every rank's ``t``."""
-    funcol = _funcol()
-    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return _waited(scatter(t, "sum", 0, group_name))
-
-
-def all_to_all(t: torch.Tensor, receives: list[int], sends: list[int], group_name: str) -> torch.Tensor:
-    """``t`` split by ``sends`` to each rank; what each rank sends here, ``receives`` elements from each."""
-    return _waited(_funcol().all_to_all_single(t, receives, sends, group_name))

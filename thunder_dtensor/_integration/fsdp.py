@@ -40,12 +40,15 @@ class FSDPParamLayout:
     ``unsharded_spec`` is the spec of the DTensor FSDP2 computes with (``FSDPParam.unsharded_param``: the
     tensor-parallel spec), or None for a plain (non-DTensor) parameter; ``sharded_spec`` the sharded
     parameter's (its gradient's). ``path`` names the parameter from the module ``fully_shard`` was applied
-    to (what the program reads).
+    to (what the program reads). ``unsharded_local_shape`` is this rank's shape of the unsharded parameter's
+    local tensor (None for a plain parameter): worked out here, for DTensor's shape rule cannot run where the
+    lowering traces the all-gather.
     """
 
     path: str
     sharded_spec: Any
     unsharded_spec: Any
+    unsharded_local_shape: tuple[int, ...] | None
 
 
 class FSDPGroupLayout:
@@ -177,7 +180,9 @@ def fsdp_group_layouts(state: Any) -> Iterator[tuple[FSDPGroupLayout, tuple[torc
                 info = fsdp_param._module_info
                 path = next(n for n, m in modules[0].named_modules() if m is info.module) + "." + info.param_name
                 path = path.lstrip(".")
-            params.append(FSDPParamLayout(path, param._spec, fsdp_param._unsharded_dtensor_spec))
+            spec = fsdp_param._unsharded_dtensor_spec
+            local_shape = None if spec is None else local_shape_on(spec.shape, spec.mesh, spec.placements)
+            params.append(FSDPParamLayout(path, param._spec, spec, local_shape))
             sharded.append(param)
         mesh_info = group.mesh_info
         hsdp = isinstance(mesh_info, HSDPMeshInfo)

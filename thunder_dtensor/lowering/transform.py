@@ -350,7 +350,10 @@ class _Lowering:
 
     def _emit(self, graph: Any, nodes: set, env: dict, origin: ti.BoundSymbol) -> None:
         """Bind a symbol per node (graph order); ``env`` maps nodes to proxies (or tuples of them)."""
-        meshes = [self.spec_of(a).mesh for a in _flat_args(origin) if isinstance(a, DTensorProxy)]
+        # the meshes whose dims the collectives may run over: the inputs', then the outputs' (a reduce-scatter of
+        # plain gradients into sharded ones: FSDP2's)
+        dtensors = [a for a in (*_flat_args(origin), *origin.flat_proxy_outs) if isinstance(a, DTensorProxy)]
+        meshes = [self.spec_of(a).mesh for a in dtensors]
         for node in graph.nodes:
             if node not in nodes or node.op != "call_function" or node in env:
                 continue

@@ -206,7 +206,7 @@ def ring_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: R
     shapes = (k.shape, v.shape)
     if plan.rotate == "allgather":  # step i's chunk is rank (rank - i)'s: laid out by owner, reduce-scattered
         by_owner = torch.cat([owed[(plan.rank - owner) % plan.size] for owner in range(plan.size)])
-        dk, dv = _unflatten(ti.reduce_scatter_sum_dim0(by_owner, plan.group_name), shapes)
+        dk, dv = _unflatten(ti.reduce_scatter_dim0(by_owner, plan.group_name), shapes)
     else:
         assert travelling is not None
         dk, dv = _unflatten(_next_rank(plan, travelling), shapes)  # the last chunk here was rank + 1's

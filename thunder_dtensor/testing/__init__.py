@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._python_dispatch
 
 __all__ = [
     "COMMS_ASSERTED",
     "COMM_COMPARISONS",
+    "CollectivesByGroup",
     "RUNS",
     "CaseResult",
     "CommComparison",
@@ -288,16 +290,17 @@ _COMM_KINDS = {
 }
 
 
-def collectives_issued(traces: Sequence[Any]) -> dict[str, int]:
+def collectives_issued(traces: Sequence[Any], groups: Sequence[str] | None = None) -> dict[str, int]:
     """The collectives executed programs (``traces``) issue, by symbol name, counted inside thunder's torch.compile
-    regions too (torch's ``CommDebugMode`` is a dispatch mode, which torch.compile refuses)."""
+    regions too (torch's ``CommDebugMode`` is a dispatch mode, which torch.compile refuses); only those over the
+    process groups named ``groups``, where given (a functional collective's last argument names its group)."""
     from thunder_dtensor.lowering import issues_a_collective
 
     counts: dict[str, int] = {}
 
     def visit(bsyms: Sequence[Any]) -> None:
         for b in bsyms:
-            if issues_a_collective(b):
+            if issues_a_collective(b) and (groups is None or b.args[-1] in groups):
                 counts[b.sym.name] = counts.get(b.sym.name, 0) + 1
             elif b.sym.name.startswith("TorchCompile"):
                 visit(b.subsymbols)
@@ -305,6 +308,39 @@ def collectives_issued(traces: Sequence[Any]) -> dict[str, int]:
     for trace in traces:
         visit(trace.bound_symbols)
     return dict(sorted(counts.items()))
+
+
+class CollectivesByGroup(torch.utils._python_dispatch.TorchDispatchMode):
+    """Collectives issued while it is on, by kind and process group (``counts[group name][kind]``).
+
+    ``CommDebugMode`` counts by op only: where two meshes' collectives share a kind (FSDP2's and tensor
+    parallelism's all-gathers), this tells them apart. Functional collectives name their group; c10d ops take it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        kind = _COMM_KINDS.get(func._opname) if func.namespace in ("c10d", "_c10d_functional") else None
+        if kind is not None:
+            names = [a.name for a in func._schema.arguments]
+            values = dict(zip(names, args)) | kwargs
+            group = values.get("group_name")
+            if group is None and values.get("process_group") is not None:  # c10d ops take it boxed
+                group = dist.ProcessGroup.unbox(values["process_group"]).group_name
+            by_kind = self.counts.setdefault(str(group), {})
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+        return func(*args, **kwargs)
+
+    def of(self, *group_names: str) -> dict[str, int]:
+        """The counts by kind over these groups."""
+        total: dict[str, int] = {}
+        for name in group_names:
+            for kind, n in self.counts.get(name, {}).items():
+                total[kind] = total.get(kind, 0) + n
+        return dict(sorted(total.items()))
 
 
 def comm_counts(mode: Any) -> dict[str, int]:

@@ -166,3 +166,24 @@ def _named_results(x):
 def test_named_results_of_max_topk_and_sort_on_dtensors(placements):
     case = DTensorCase(_named_results, [make_full((4, 6), seed=3)], [placements])
     run_case(case, assert_comms=COMMS_ASSERTED)
+
+
+def test_a_program_returns_named_results_as_torch_does():
+    """A DTensor program that returns ``x.max(dim)`` / ``topk`` / ``sort`` gives torch's named result type (its
+    return statement printed the type's repr, ``max(values=..., indices=...)``, which the type cannot be called with:
+    a TypeError on every such call; found by the op coverage run of max.reduction_with_dim)."""
+    mesh = mesh_1d()
+    full = make_full((4, 6), seed=5)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    programs = {
+        "max": lambda t: t.max(1),
+        "topk": lambda t: torch.topk(t, 2, dim=1),
+        "sort": lambda t: t.sort(0),
+        "nested": lambda t: (t.max(1, keepdim=True), t.sum()),
+    }
+    for name, fn in programs.items():
+        out, expected = thunder.jit(fn)(x), fn(full)
+        named, expected_named = (out[0], expected[0]) if name == "nested" else (out, expected)
+        assert type(named) is type(expected_named), name
+        torch.testing.assert_close(named.values.full_tensor(), expected_named.values, msg=name)
+        torch.testing.assert_close(named.indices.full_tensor(), expected_named.indices, msg=name)

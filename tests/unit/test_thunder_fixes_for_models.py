@@ -398,6 +398,16 @@ def test_named_results_of_max_topk_and_sort_forward_and_backward():
     assert_jit_matches_eager(_read_named_results, (4, 3))
 
 
+def test_a_program_returns_named_results_of_torchs_type():
+    """The return statement of a program returning ``x.max(dim)`` printed its repr, which the type cannot be
+    called with (``TypeError: structseq() missing required argument 'sequence'``)."""
+    x = torch.randn(4, 3)
+    for fn in (lambda t: t.max(1), lambda t: (torch.topk(t, 2, dim=0), t * 2), lambda t: {"s": t.sort(1)}):
+        out, expected = thunder.jit(fn)(x), fn(x)
+        torch.testing.assert_close(out, expected)
+        assert type(out) is type(expected)
+
+
 def test_grouped_query_attention_forward_and_backward():
     assert_jit_matches_eager(_grouped_query_attention, (4, 3))
 

@@ -21,6 +21,7 @@ import cmath  # noqa: E402
 import contextlib
 import functools
 import operator
+import re
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -1575,6 +1576,22 @@ def run_writes_into_graph_inputs_in_torch() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # torch's named results (``torch.return_types``): ``x.max(dim=-1).values``
 # ---------------------------------------------------------------------------------------------------------
+#: a named result as Python prints it (``torch.return_types.max(\nvalues=t0,\nindices=t1)``), which its type
+#: cannot be called with: it takes one sequence
+_PRINTED_NAMED_RESULT = re.compile(r"torch\.return_types\.(\w+)\(\n((?:\w+=[^\n]*?,\n)*\w+=[^\n]*?)\)")
+
+
+def callable_named_results(code: str) -> str:
+    """``code`` (a trace's printed Python) with each named result printed as a call its type takes:
+    ``torch.return_types.max((t0, t1))``. Their fields are tensors (printed as names), so none nests another."""
+
+    def as_call(match: re.Match) -> str:
+        values = [field.split("=", 1)[1] for field in match.group(2).split(",\n")]
+        return f"torch.return_types.{match.group(1)}(({', '.join(values)},))"
+
+    return _PRINTED_NAMED_RESULT.sub(as_call, code)
+
+
 @installer("thunder-fix", "max(dim) / topk / sort / frexp give torch's named results (.values, .indices)")
 def name_the_fields_of_paired_results() -> None:
     """thunder 0.2.6 gives ``torch.max(x, dim)``, ``torch.topk``, ``torch.sort`` and ``torch.frexp`` (and their
@@ -1635,6 +1652,20 @@ def name_the_fields_of_paired_results() -> None:
 
     expects = expects_function(("thunder.torch.langctx", "thunder_dtensor"), "self", "id")
     patch(TorchCtx, "get_method", get_method, expects=expects)
+
+    # a program that returns a named result prints it in its return statement (the epilogue's, a DTensor
+    # program's): as a call the type takes
+    from thunder.core import codeutils
+
+    original_prettyprint = codeutils.prettyprint
+
+    @functools.wraps(original_prettyprint)
+    def prettyprint(x: Any, **kwargs: Any) -> str:
+        printed = original_prettyprint(x, **kwargs)
+        return callable_named_results(printed) if "torch.return_types." in printed else printed
+
+    printing = switched(fix, prettyprint, original_prettyprint)
+    patch(codeutils, "prettyprint", printing, expects=expects_function("thunder.core.codeutils", "x"))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -213,6 +213,9 @@ def test_trains_like_eager_fsdp2(case, compiler):
     # resharding: each block's gathered parameters are not saved for the backward, which gathers them again
     regathered = collectives_issued([bwd], fsdp_groups).get("all_gather_into_tensor", 0)
     assert regathered == (len(model.blocks) if c.reshard_after_forward else 0)
+    # every gradient is lowered: a tensor-parallel linear's vjp takes the parameters gathered again in the
+    # backward (thunder's recomputations, not the forward's values) and pairs with its forward all the same
+    assert "its forward was not lowered" not in str(bwd), str(bwd)
     if c.micro_batches > 1:  # a program with gradient sync off and one with it on, each reused
         assert thunder.cache_misses(compiled) == 2 and thunder.cache_hits(compiled) == 2 * STEPS - 2
     else:

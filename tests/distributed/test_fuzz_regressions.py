@@ -1111,3 +1111,29 @@ def test_a_reshape_dtensor_places_on_the_wrong_elements_runs_replicated(lowering
     )
     assert "_StridedShard" in str(flat.placements)
     torch.testing.assert_close(flat.full_tensor(), full.flatten(0))
+
+
+def _write_through_a_column(x, o1, o2, o3):
+    y = x.amax(dim=0).clone()
+    y[:, 0:2].add_(o1)
+    y = torch.cat([o2, y.transpose(0, 1)], dim=-2).transpose(0, -1).clone()
+    y.select(1, 0).copy_(o3)
+    return y
+
+
+@pytest.mark.world_size(2)
+def test_a_write_into_a_column_view_reaches_the_tensor_it_views():
+    """Fuzz seed 11599 (2 ranks), a silently wrong value: the column ``y.select(1, 0)`` of a lowered (2, 3) value,
+    wrapped back into a DTensor for the eager ``copy_`` that writes into it, was made contiguous at the boundary
+    (as shards of contiguous DTensors are, seed 10754), so the write went into a copy and ``y`` kept its old
+    column. A DTensor the alias pass hands on to a write is wrapped around the very view."""
+    fulls = [make_full((5, 2, 2), seed=170), make_full((2, 2), seed=171), make_full((1, 2), seed=172)]
+    fulls.append(make_full((2,), seed=173))
+    expected = _write_through_a_column(*fulls)
+    compiled = thunder.jit(_write_through_a_column, dtensor_lowering=True)
+    for _ in range(2):
+        mesh = mesh_1d()
+        x, o1 = distribute_tensor(fulls[0], mesh, [Shard(0)]), distribute_tensor(fulls[1], mesh, [Shard(1)])
+        o2, o3 = (DTensor.from_local(full / 2, mesh, [Partial()]) for full in fulls[2:])
+        out = compiled(x, o1, o2, o3)
+        torch.testing.assert_close(out.full_tensor(), expected)

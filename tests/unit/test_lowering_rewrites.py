@@ -164,6 +164,23 @@ def test_pair_vjps_pairs_each_generic_vjp_with_the_latest_earlier_forward_of_the
     assert program.pair_vjps([vjp_ab, fwd_ab]) == {}
 
 
+def test_pair_vjps_pairs_a_vjp_that_takes_thunders_recomputations_of_the_forwards_arguments():
+    """FSDP2's gathered parameters are recomputed in the backward (thunder names the copies ``bw_<name>``); a
+    tensor-parallel linear's vjp takes those and still pairs with its forward. A ``bw_`` name that no tagged
+    recomputation made pairs with nothing."""
+    from thunder_dtensor import _integration as ti
+
+    x, w, bw_w, o, g, gx, gw = _proxies("x", "w", "bw_w", "o", "g", "gx", "gw")
+    gather = _bsym("dtensor_fsdp_all_gather_prim", [x], [w])
+    fwd = _bsym("dtensor_add_prim", [x, w], [o])
+    regather = _bsym("dtensor_fsdp_all_gather_prim", [x], [bw_w])
+    vjp = _bsym("dtensor_add_vjp_prim", [x, bw_w, g], [gx, gw], call_args=((x, bw_w), {}, (g,), (0, 1)))
+    assert program.pair_vjps([gather, fwd, regather, vjp]) == {}  # untagged: not a recomputation
+    regather.tags = {ti.BoundSymbolTag.BACKWARD, ti.BoundSymbolTag.RECOMPUTE_IN_BACKWARD}
+    assert program.recomputed_in_backward([gather, fwd, regather, vjp]) == {"bw_w": "w"}
+    assert program.pair_vjps([gather, fwd, regather, vjp]) == {1: 3}
+
+
 def _all_reduce_name():
     from thunder_dtensor.lowering.symbols import collective_symbol
 

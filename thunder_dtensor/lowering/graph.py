@@ -187,6 +187,15 @@ def ancestors(nodes: list) -> set:
     return seen
 
 
+def descendants(graph: Any, nodes: set) -> set:
+    """The nodes of ``graph`` that read any of ``nodes``, directly or through others (``nodes`` not included)."""
+    reached: set = set()
+    for node in graph.nodes:
+        if any(n in nodes or n in reached for n in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
 def unused_collectives(traced: Traced) -> tuple[list, list]:
     """Collectives (and their waits) whose results reach no output: (those of the forward, those of the backward).
 

@@ -148,25 +148,46 @@ def all_reduces_in_one_shot(bsyms: list, trace: Any, max_bytes: int) -> list:
 
 
 def pair_vjps(bsyms: list) -> dict[int, int]:
-    """Forward prim index -> index of its generic vjp (the one taking the same arguments)."""
+    """Forward prim index -> index of its generic vjp (the one taking the same arguments, or recomputations of them:
+    FSDP2's parameters, gathered again in the backward, reach a tensor-parallel linear's vjp so)."""
     forwards: dict[tuple, list[int]] = {}
     for i, bsym in enumerate(bsyms):
         if bsym.sym.name in PRIMS and not is_generic_vjp(bsym.sym.name):
             forwards.setdefault(_call_key(bsym.sym.name, bsym.args, bsym.kwargs), []).append(i)
+    recomputed = recomputed_in_backward(bsyms)
     pairs: dict[int, int] = {}
     for j, bsym in enumerate(bsyms):
         if is_generic_vjp(bsym.sym.name):
             args, kwargs = bsym.args[0], bsym.args[1]
             name = bsym.sym.name.removesuffix("_vjp_prim") + "_prim"
-            candidates = [i for i in forwards.get(_call_key(name, args, kwargs), []) if i < j and i not in pairs]
+            key = _call_key(name, args, kwargs, recomputed)
+            candidates = [i for i in forwards.get(key, []) if i < j and i not in pairs]
             if candidates:
                 pairs[candidates[-1]] = j
     return pairs
 
 
-def _call_key(name: str, args: Any, kwargs: Any) -> tuple:
+def recomputed_in_backward(bsyms: list) -> dict[str, str]:
+    """Name of each value thunder's autodiff recomputes in the backward -> the forward value it recomputes.
+
+    thunder copies a producer tagged for recomputation into the backward and names its outputs ``bw_<name>``."""
+    produced = {p.name for b in bsyms for p in b.flat_proxy_outs}
+    recompute = ti.BoundSymbolTag.RECOMPUTE_IN_BACKWARD  # type: ignore[attr-defined]  # (registered at runtime)
+    backward = ti.BoundSymbolTag.BACKWARD  # type: ignore[attr-defined]
+    names: dict[str, str] = {}
+    for b in bsyms:
+        tags = getattr(b, "tags", ())
+        if recompute in tags and backward in tags:
+            for p in b.flat_proxy_outs:
+                if p.name.startswith("bw_") and p.name.removeprefix("bw_") in produced:
+                    names[p.name] = p.name.removeprefix("bw_")
+    return names
+
+
+def _call_key(name: str, args: Any, kwargs: Any, renamed: dict[str, str] | None = None) -> tuple:
     flat = ti.torch_tree_flatten((args, kwargs))[0]
-    return (name, tuple(x.name if isinstance(x, ti.Proxy) else repr(x) for x in flat))
+    renamed = renamed or {}
+    return (name, tuple(renamed.get(x.name, x.name) if isinstance(x, ti.Proxy) else repr(x) for x in flat))
 
 
 def claimed(bsyms: list, executors: Sequence[Any]) -> list:

@@ -154,10 +154,11 @@ def _unwrap(x: Any, spec: Any, contiguous: bool, *, placements: str = "") -> tor
     return local.contiguous() if contiguous else local
 
 
-def _wrap(local: torch.Tensor, spec: Any, *, placements: str = "") -> Any:
-    if not local.is_contiguous() and _contiguous_globally(spec):
+def _wrap(local: torch.Tensor, spec: Any, *, placements: str = "", alias: bool = False) -> Any:
+    if not alias and not local.is_contiguous() and _contiguous_globally(spec):
         # a lowered view (a slice of a gathered buffer) where eager's shard of a contiguous DTensor is contiguous:
-        # eager ops after the boundary (a flatten's view) and the user's may rely on it (fuzz seed 10754)
+        # eager ops after the boundary (a flatten's view) and the user's may rely on it (fuzz seed 10754); not
+        # where the DTensor is an alias that a write must reach through (``alias``: fuzz seed 11599)
         local = local.contiguous()
     return ti.dtensor_around(local, spec)
 
@@ -176,7 +177,7 @@ def _unwrap_meta(x: DTensorProxy, spec: Any, contiguous: bool, *, placements: st
     return ti.TensorProxy(shape=shape, dtype=x.dtype, device=x.device, requires_grad=False)
 
 
-def _wrap_meta(local: ti.TensorProxy, spec: Any, *, placements: str = "") -> DTensorProxy:
+def _wrap_meta(local: ti.TensorProxy, spec: Any, *, placements: str = "", alias: bool = False) -> DTensorProxy:
     return DTensorProxy(meta=DTensorMeta.from_spec(spec, tuple(local.shape)), device=local.device, requires_grad=False)
 
 

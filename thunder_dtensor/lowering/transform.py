@@ -17,6 +17,7 @@ from thunder_dtensor import _integration as ti
 from thunder_dtensor.lowering.graph import (
     NotLowerable,
     ancestors,
+    descendants,
     match_forward,
     output_nodes,
     placeholder_nodes,
@@ -172,24 +173,31 @@ class _Lowering:
         self.fake[out.name] = info
         return out, info
 
-    def materialize(self, x: Any) -> None:
+    def materialize(self, x: Any, alias: bool = False) -> None:
+        """``x`` as a runtime DTensor around its local value; ``alias``: the very value (a view stays a view)."""
         if isinstance(x, DTensorProxy) and x.name not in self.materialized:
             ti.check(x.name in self.local, lambda: f"lowering: {x.name} has no value")
             spec = self.spec_of(x)
-            self.bsyms.append(wrap_dtensor.bind(self.local[x.name], spec, placements=_readable(spec), output=x))
+            local, readable = self.local[x.name], _readable(spec)
+            if alias:
+                self.bsyms.append(wrap_dtensor.bind(local, spec, placements=readable, alias=True, output=x))
+            else:
+                self.bsyms.append(wrap_dtensor.bind(local, spec, placements=readable, output=x))
             self.materialized.add(x.name)
 
     def keep(self, bsym: ti.BoundSymbol, why: str | None = None) -> None:
         """Keep ``bsym`` as it is: its DTensor arguments must exist as DTensors, its outputs do."""
+        record = PRIMS.get(bsym.sym.name)
+        # the alias pass's renames hand their arguments on to in-place writes: each must be the memory it views
+        aliases = record is not None and record.renames_arguments
         for a in bsym.flat_proxy_args:
-            self.materialize(a)
+            self.materialize(a, alias=aliases)
         if why is not None:
             self.kept[bsym.sym.name] = why
         self.bsyms.append(bsym)
         for o in bsym.flat_proxy_outs:
             if isinstance(o, DTensorProxy):
                 self.materialized.add(o.name)
-        record = PRIMS.get(bsym.sym.name)
         if record is not None and record.renames_arguments:
             for before, after in zip(bsym.flat_proxy_args, bsym.flat_proxy_outs):
                 if not (isinstance(before, DTensorProxy) and isinstance(after, DTensorProxy)):
@@ -323,6 +331,13 @@ class _Lowering:
             values[0] = after
         self._bind_outputs(outputs, values, first.specs[:n])
         grad_outputs = list(vjp.output)
+        # arguments the vjp takes as thunder's recomputations in the backward (FSDP2's parameters, gathered again)
+        vjp_flat = ti.torch_tree_flatten((vjp.args[0], vjp.args[1]))[0]
+        recomputed = {
+            i: a
+            for i, a in enumerate(vjp_flat)
+            if isinstance(a, ti.TensorProxy) and isinstance(flat[i], ti.TensorProxy) and a.name != flat[i].name
+        }
 
         def emit_backward() -> None:
             actual = [self._cotangent_info(cotangents[i]) for i in cot_positions]
@@ -335,6 +350,8 @@ class _Lowering:
                 else:
                     graph_env, fwd_nodes = matched, set(matched)
             placeholders = placeholder_nodes(traced.graph)
+            if recomputed:
+                graph_env, fwd_nodes = self._read_recomputed(traced, graph_env, fwd_nodes, infos, recomputed)
             for node, c in zip(placeholders[len(infos) :], [cotangents[i] for i in cot_positions]):
                 graph_env[node] = self.local_of(c) if isinstance(c, DTensorProxy) else self.plain_in(c)[0]
             nodes = output_nodes(traced.graph)
@@ -347,6 +364,24 @@ class _Lowering:
             self._bind_outputs(grad_outputs, grads, traced.specs[traced.n_forward :])
 
         self.pending_backward[vjp_index] = emit_backward
+
+    def _read_recomputed(
+        self, traced: Any, env: dict, fwd_nodes: set, infos: list[tuple[int, LocalInput]], recomputed: dict
+    ) -> tuple[dict, set]:
+        """The backward of a joint reads the vjp's own arguments where they are thunder's recomputations of the
+        forward's (``recomputed``: position -> proxy), and emits again the forward nodes that depend on them: the
+        forward's values of those (FSDP2's gathered parameters, views of them) are not kept for the backward."""
+        placeholders = dict(zip([i for i, _ in infos], placeholder_nodes(traced.graph)))
+        rebound = {placeholders[i]: proxy for i, proxy in recomputed.items()}
+        for node, proxy in rebound.items():
+            info = dict(infos)[next(i for i, p in placeholders.items() if p is node)]
+            if not isinstance(proxy, DTensorProxy) or self.local_info(proxy) != info:
+                raise NotLowerable("a recomputed argument of the gradient is laid out otherwise than the forward's")
+        stale = descendants(traced.graph, set(rebound))
+        env = {node: value for node, value in env.items() if node not in stale}
+        for node, proxy in rebound.items():
+            env[node] = self.local_of(proxy)
+        return env, fwd_nodes - stale
 
     def _emit(self, graph: Any, nodes: set, env: dict, origin: ti.BoundSymbol) -> None:
         """Bind a symbol per node (graph order); ``env`` maps nodes to proxies (or tuples of them)."""

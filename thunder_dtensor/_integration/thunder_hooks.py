@@ -17,6 +17,7 @@ from thunder_dtensor._integration.bootstrap import (
     NumberProxy,
     OpTags,
     Partial,
+    Placement,
     Proxy,
     Replicate,
     Shard,
@@ -420,20 +421,40 @@ def torchsymbol(name: str) -> Callable[[Callable], Symbol]:
     return ltorch.torchsymbol(id=f"thunder_dtensor.{name}", allow_tensor_subclass_proxy=True)
 
 
+def _placement_classes() -> list[type]:
+    """Every Python placement class defined so far (``Placement``'s subclasses, not the pybind11 bases they
+    extend), the public three first."""
+    found: list[type] = []
+
+    def walk(cls: type) -> None:
+        sub: type
+        for sub in cls.__subclasses__():
+            if not sub.__module__.startswith("torch._C") and sub not in found:
+                found.append(sub)
+            walk(sub)
+
+    import torch.distributed.tensor._ops._math_ops  # noqa: F401  (defines _NormPartial)
+
+    walk(Placement)
+    return [Shard, Replicate, Partial, *(c for c in found if c not in (Shard, Replicate, Partial))]
+
+
 @installer("dtensor", "placements are built, and device meshes queried, whole: stepping into them aborts or costs")
 def make_placements_opaque() -> None:
     """Let jitted code build placements (``Shard(1)``, ``Replicate()``) and ask a device mesh about itself: the
     interpreter calls these whole.
 
     Placements are Python subclasses of pybind11 classes; stepping into their construction aborts the
-    process. Dynamo graphs handed over by thunderfx spell every placement as such a call. A mesh's queries
-    (``mesh.size(0)``, ``mesh.get_group()``, ...) read fixed process-group state: stepping through their
-    Python code costs first-call time and changes nothing in the program.
+    process. Dynamo graphs handed over by thunderfx spell every placement as such a call: every placement class,
+    the private ones too (``_StridedShard``, which a flatten's output carries, aborted fuzz seed 11805 under
+    thunderfx; ``_MaskPartial``, ``_NormPartial``). A mesh's queries (``mesh.size(0)``, ``mesh.get_group()``,
+    ...) read fixed process-group state: stepping through their Python code costs first-call time and changes
+    nothing in the program.
     """
     from thunder.core import jit_ext
 
     mesh_queries = ("size", "get_group", "get_local_rank", "get_coordinate", "get_rank", "get_all_groups")
-    opaque = [Shard, Replicate, Partial, *(getattr(DeviceMesh, name) for name in mesh_queries)]
+    opaque = [*_placement_classes(), *(getattr(DeviceMesh, name) for name in mesh_queries)]
     for fn in opaque:
         patch(
             jit_ext._general_jit_lookaside_map,

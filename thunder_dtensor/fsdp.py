@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from collections.abc import Sequence
 from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
@@ -201,7 +202,7 @@ def _unsharded_grad(param: ti.FSDPParamLayout, grad: Any) -> torch.Tensor:
     return grad
 
 
-def _reduce_dtype(layout: ti.FSDPGroupLayout, grads: tuple) -> torch.dtype:
+def _reduce_dtype(layout: ti.FSDPGroupLayout, grads: Sequence[Any]) -> torch.dtype:
     return layout.reduce_dtype or grads[0].dtype
 
 
@@ -210,7 +211,7 @@ def _reduce_scatter_locals(layout: ti.FSDPGroupLayout, indices: tuple, locals_: 
     (HSDP: then across replicas) and scattered (dim 0) like the sharded parameters. Functional ops and
     collectives, as the all-gather."""
     world, rank = layout.shard_size, layout.shard_rank
-    dtype = layout.reduce_dtype or locals_[0].dtype
+    dtype = _reduce_dtype(layout, locals_)
     shapes = [tuple(local.shape) for local in locals_]
     # rank r's rows of every gradient in row r, each padded to its chunk
     columns = [
@@ -236,10 +237,13 @@ def _reduce_scatter_locals(layout: ti.FSDPGroupLayout, indices: tuple, locals_: 
     return tuple(results)
 
 
+def _unsharded_grads(layout: ti.FSDPGroupLayout, indices: tuple, grads: tuple) -> list:
+    return [_unsharded_grad(layout.params[i], g) for i, g in zip(indices, grads)]
+
+
 def _reduce_scatter(layout: ti.FSDPGroupLayout, indices: tuple, *grads: Any) -> tuple:
     """The group's sharded gradients (see :func:`_reduce_scatter_locals`)."""
-    locals_ = [_unsharded_grad(layout.params[i], g) for i, g in zip(indices, grads)]
-    return _reduce_scatter_locals(layout, indices, locals_)
+    return _reduce_scatter_locals(layout, indices, _unsharded_grads(layout, indices, grads))
 
 
 dtensor_fsdp_reduce_scatter_prim = define_dtensor_prim(
@@ -251,10 +255,8 @@ def _reduce_scatter_with_kept(layout: ti.FSDPGroupLayout, indices: tuple, *grads
     """As :func:`_reduce_scatter`, of the gradients plus those kept while gradient sync was off (taken)."""
     group = layout.group()
     kept = _PENDING.pop(group, {}) if group is not None else {}
-    locals_ = []
-    for i, g in zip(indices, grads):
-        local = _unsharded_grad(layout.params[i], g)
-        locals_.append(kept[i] + local if i in kept else local)
+    locals_ = _unsharded_grads(layout, indices, grads)
+    locals_ = [kept[i] + local if i in kept else local for i, local in zip(indices, locals_)]
     return _reduce_scatter_locals(layout, indices, locals_)
 
 

@@ -178,11 +178,10 @@ class _Lowering:
         if isinstance(x, DTensorProxy) and x.name not in self.materialized:
             ti.check(x.name in self.local, lambda: f"lowering: {x.name} has no value")
             spec = self.spec_of(x)
-            local, readable = self.local[x.name], _readable(spec)
-            if alias:
-                self.bsyms.append(wrap_dtensor.bind(local, spec, placements=readable, alias=True, output=x))
-            else:
-                self.bsyms.append(wrap_dtensor.bind(local, spec, placements=readable, output=x))
+            aliasing: dict[str, Any] = {"alias": True} if alias else {}  # (printed only where it holds)
+            self.bsyms.append(
+                wrap_dtensor.bind(self.local[x.name], spec, placements=_readable(spec), output=x, **aliasing)
+            )
             self.materialized.add(x.name)
 
     def keep(self, bsym: ti.BoundSymbol, why: str | None = None) -> None:
@@ -371,12 +370,12 @@ class _Lowering:
         """The backward of a joint reads the vjp's own arguments where they are thunder's recomputations of the
         forward's (``recomputed``: position -> proxy), and emits again the forward nodes that depend on them: the
         forward's values of those (FSDP2's gathered parameters, views of them) are not kept for the backward."""
-        placeholders = dict(zip([i for i, _ in infos], placeholder_nodes(traced.graph)))
-        rebound = {placeholders[i]: proxy for i, proxy in recomputed.items()}
-        for node, proxy in rebound.items():
-            info = dict(infos)[next(i for i, p in placeholders.items() if p is node)]
-            if not isinstance(proxy, DTensorProxy) or self.local_info(proxy) != info:
+        info_at = dict(infos)
+        for i, proxy in recomputed.items():
+            if not isinstance(proxy, DTensorProxy) or self.local_info(proxy) != info_at[i]:
                 raise NotLowerable("a recomputed argument of the gradient is laid out otherwise than the forward's")
+        placeholders = dict(zip(info_at, placeholder_nodes(traced.graph)))
+        rebound = {placeholders[i]: proxy for i, proxy in recomputed.items()}
         stale = descendants(traced.graph, set(rebound))
         env = {node: value for node, value in env.items() if node not in stale}
         for node, proxy in rebound.items():

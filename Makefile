@@ -98,7 +98,7 @@ bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/first_call.py
 	$(PY) benchmarks/plain_call_cost.py
-	$(RUN2) benchmarks/bench.py --time-limit-s 420
+	$(RUN2) benchmarks/bench.py --workloads block,gpt,llama,fsdp --time-limit-s 1200
 	$(RUN2) benchmarks/bench.py --workloads fsdp --variants eager,torch.compile,thunder_on,thunderfx_on,limit,limit_compiled \
 		--out benchmarks/results/fsdp
 	for rotate in allgather alltoall; do for layer in "" --mlp; do \

@@ -30,8 +30,19 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-DEFAULT_CASES = ("block:64", "block:256", "block:1024", "gpt:test", "gpt:large", "llama:test", "llama:large")
-DEFAULT_VARIANTS = ("torch.compile", "thunder_on", "limit_compiled")
+DEFAULT_CASES = (
+    "block:64",
+    "block:256",
+    "block:1024",
+    "gpt:test",
+    "gpt:large",
+    "llama:test",
+    "llama:large",
+    "fsdp:256",
+    "fsdp:512",
+)
+#: torch.compile, the default thunder.jit, the fused program with the loss inside (issue 44), the compiled limit
+DEFAULT_VARIANTS = ("torch.compile", "thunder_on", "thunder_on_tcex_loss", "limit_compiled")
 PROFILED_STEPS = 5
 COLUMNS = (
     ("step_ms", "step ms"),

@@ -323,8 +323,9 @@ def test_switches_name_their_fixes():
 
 def test_the_cpu_kernels_executor_goes_first_among_thunders_defaults_only():
     """Where its fix acts, ``cpu_eager_kernels`` joins a program's list just before thunder's default executors
-    (after thunder.jit's ad hoc one, or a user's own executors put before the defaults), and a list without the
-    defaults stays the user's; thunder's default executors themselves never change."""
+    (after thunder.jit's ad hoc one, or a user's own executors put before the defaults; before thunder's
+    torch.compile executor where that is one of them), and a list without the defaults stays the user's;
+    thunder's default executors themselves never change."""
     from thunder.extend import get_default_executors, get_executor
 
     defaults = list(get_default_executors())
@@ -341,4 +342,9 @@ def test_the_cpu_kernels_executor_goes_first_among_thunders_defaults_only():
         assert names(None)[: len(defaults) + 1] == ["cpu_eager_kernels", *default_names]
         python = get_executor("python")
         assert names([python, *defaults])[: len(defaults) + 2] == ["python", "cpu_eager_kernels", *default_names]
+        # thunder's torch.compile executor fuses every op it claims with: it goes just before it
+        from thunder.executors.torch_compile import torch_compile_ex
+
+        fused = names([torch_compile_ex, *defaults])
+        assert fused[: len(defaults) + 2] == ["cpu_eager_kernels", torch_compile_ex.name, *default_names]
         assert "cpu_eager_kernels" not in names([get_executor("torch")])

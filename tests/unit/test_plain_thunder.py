@@ -300,6 +300,45 @@ def test_cpu_attention_trains_with_torchs_flash_kernel(dtype):
         assert ("cpu_flash_attention_backward(" in backward) is flash, backward
 
 
+def test_torch_compile_regions_take_torchs_cpu_kernels_whole():
+    """With thunder's torch.compile executor listed first (``[torch_compile_ex, *defaults]``), the CPU kernels
+    executor goes just before it and its ops join the regions: attention trains with torch's flash kernel
+    inside the region (its output saved for the backward, not recomputed there), layer_norm and gelu with
+    torch's kernels; one region each way, eager's values and gradients. (Before, the torch.compile executor
+    took them first and thunder differentiated their decompositions: the test Llama's fused program had 29
+    inductor kernels to compile against torch.compile's 21, its first call 1.4-1.6x torch.compile's.)"""
+    import thunder
+    import torch.nn.functional as F
+    from thunder.executors.torch_compile import torch_compile_ex
+    from thunder.extend import get_default_executors
+
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(8)
+
+    def fn(q, k, v):
+        q, k, v = (norm(z).transpose(1, 2) for z in (q, k, v))
+        return F.gelu(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2))
+
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(2, 5, 3, 8, generator=g, requires_grad=True) for _ in range(3)]
+    qkv2 = [t.detach().clone().requires_grad_() for t in qkv]
+    jfn = thunder.jit(fn, executors=[torch_compile_ex, *get_default_executors()])
+    out = jfn(*qkv)
+    grads = torch.autograd.grad(out, [*qkv, *norm.parameters()], torch.ones_like(out))
+    expected = fn(*qkv2)
+    eager_grads = torch.autograd.grad(expected, [*qkv2, *norm.parameters()], torch.ones_like(expected))
+    torch.testing.assert_close(out, expected)
+    for actual, eager in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(actual, eager)
+    forward, backward = str(thunder.last_traces(jfn)[-1]), str(thunder.last_backward_traces(jfn)[-1])
+    assert forward.count("= TorchCompile") == 1 and backward.count("= TorchCompile") == 1, (forward, backward)
+    for op in ("cpu_flash_attention(", "cpu_native_layer_norm(", "cpu_gelu("):
+        assert op in forward, op
+    for op in ("cpu_flash_attention_backward(", "cpu_native_layer_norm_backward(", "cpu_gelu_backward("):
+        assert op in backward, op
+    assert "cpu_flash_attention(" not in backward, "the attention was recomputed in the backward"
+
+
 def test_complex_views_train_with_each_other_as_gradients():
     """``view_as_complex`` / ``view_as_real`` of CPU tensors (a complex RoPE, and a complex leaf) differentiate
     by each other, with eager's values and gradients, non-contiguous cotangents included, and none of thunder's

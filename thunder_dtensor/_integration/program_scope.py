@@ -65,13 +65,16 @@ def use_dtensor_executors() -> None:
         _add_first_executors(cd, everywhere_only=False)
 
 
-#: (fix, executor): put first among a program's default executors where the fix acts
-_FIRST_EXECUTORS: list[tuple[str, Any]] = []
+#: (fix, executor, ahead of torch.compile): put first among a program's default executors where the fix acts
+_FIRST_EXECUTORS: list[tuple[str, Any, bool]] = []
 
 
-def add_first_executor(fix: str, executor: Any) -> None:
-    """Where ``fix`` acts, ``executor`` goes first among the executors of a program that did not choose its own."""
-    _FIRST_EXECUTORS.append((fix, executor))
+def add_first_executor(fix: str, executor: Any, *, ahead_of_torch_compile: bool = False) -> None:
+    """Where ``fix`` acts, ``executor`` goes first among the executors of a program that did not choose its own.
+    ``ahead_of_torch_compile``: every op the executor claims with is in thunder's torch.compile executor's table,
+    so where a program lists that executor before thunder's defaults, this one goes just before it: its
+    gradient rules and ops are the program's, and the torch.compile regions still take them."""
+    _FIRST_EXECUTORS.append((fix, executor, ahead_of_torch_compile))
     on_each_call("first_executors", _add_first_executors_acting_everywhere)
 
 
@@ -80,7 +83,7 @@ def _add_first_executors_acting_everywhere(cd: Any, args: tuple, kwargs: dict) -
 
 
 def _add_first_executors(cd: Any, *, everywhere_only: bool) -> None:
-    for fix, executor in _FIRST_EXECUTORS:
+    for fix, executor, ahead_of_torch_compile in _FIRST_EXECUTORS:
         chosen = _switches.mode(fix)
         if (
             chosen == _switches.OFF
@@ -88,6 +91,7 @@ def _add_first_executors(cd: Any, *, everywhere_only: bool) -> None:
             or executor in cd.executors_list
         ):
             continue
+        from thunder.executors.torch_compile import torch_compile_ex
         from thunder.extend import get_default_executors
 
         # where the program's list holds thunder's default executors (after thunder.jit's ad hoc executor, or the
@@ -95,6 +99,8 @@ def _add_first_executors(cd: Any, *, everywhere_only: bool) -> None:
         executors, defaults = list(cd.executors_list), list(get_default_executors())
         for i in range(len(executors) - len(defaults) + 1):
             if executors[i : i + len(defaults)] == defaults:
+                if ahead_of_torch_compile and torch_compile_ex in executors[:i]:
+                    i = executors.index(torch_compile_ex)
                 cd.executors_list = (*executors[:i], executor, *executors[i:])
                 break
 

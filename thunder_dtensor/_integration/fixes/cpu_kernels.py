@@ -63,11 +63,12 @@ def _eager_kernels_executor() -> Any:
     def like_input(g: Any, a: Any, *args: Any) -> Any:  # a backward's meta: the gradient of its input ``a``
         return TensorProxy(like=a)
 
-    gelu = ex.register_operator("cpu_gelu", meta=same, fn=lambda a, approximate: aten.gelu(a, approximate=approximate))
-    gelu_backward = ex.register_operator(
-        "cpu_gelu_backward",
-        meta=like_input,
-        fn=lambda g, a, approximate: aten.gelu_backward(g, a, approximate=approximate),
+    def operator(name: str, meta: Callable, fn: Callable) -> Any:
+        return _register_fusible_operator(ex, name, meta, fn, "torch_kernels")
+
+    gelu = operator("cpu_gelu", same, lambda a, approximate: aten.gelu(a, approximate=approximate))
+    gelu_backward = operator(
+        "cpu_gelu_backward", like_input, lambda g, a, approximate: aten.gelu_backward(g, a, approximate=approximate)
     )
 
     # the grad rules take their symbol's signature: thunderfx's splitter matches their parameters to its meta's
@@ -83,8 +84,8 @@ def _eager_kernels_executor() -> Any:
         grad_transform=gelu_grad,
     )
 
-    silu = ex.register_operator("cpu_silu", meta=same, fn=aten.silu)
-    silu_backward = ex.register_operator("cpu_silu_backward", meta=like_input, fn=aten.silu_backward)
+    silu = operator("cpu_silu", same, aten.silu)
+    silu_backward = operator("cpu_silu_backward", like_input, aten.silu_backward)
 
     def silu_grad(a: Any, /, inplace: bool = False) -> Any:
         out = silu(a)
@@ -110,14 +111,12 @@ def _eager_kernels_executor() -> Any:
         mask = [True, weight is not None, bias is not None]
         return aten.native_layer_norm_backward(g, a, list(shape), mean, rstd, weight, bias, mask)
 
-    layer_norm = ex.register_operator(
+    layer_norm = operator(
         "cpu_native_layer_norm",
-        meta=layer_norm_meta,
-        fn=lambda a, shape, weight, bias, eps: aten.native_layer_norm(a, list(shape), weight, bias, eps),
+        layer_norm_meta,
+        lambda a, shape, weight, bias, eps: aten.native_layer_norm(a, list(shape), weight, bias, eps),
     )
-    layer_norm_backward = ex.register_operator(
-        "cpu_native_layer_norm_backward", meta=layer_norm_backward_meta, fn=run_layer_norm_backward
-    )
+    layer_norm_backward = operator("cpu_native_layer_norm_backward", layer_norm_backward_meta, run_layer_norm_backward)
 
     def layer_norm_forward(
         a: Any, /, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
@@ -141,6 +140,22 @@ def _eager_kernels_executor() -> Any:
     _register_complex_views(ex)
     _register_cpu_flash_attention(ex)
     return ex
+
+
+def _register_fusible_operator(
+    ex: Any, name: str, meta: Callable, fn: Callable, group: str, *, costly: bool = False
+) -> Any:
+    """An operator of ``ex`` that also joins the torch executors' tables: thunder's torch.compile executor fuses
+    it into its regions (inductor compiles torch's kernel, as torch.compile would), so ``ex`` can go before it
+    in a program's list (:func:`run_cpu_ops_with_torch_kernels`) without cutting a region. ``costly``: tagged as
+    a matmul, which thunder's rematerialization never recomputes in a backward region (it saves its outputs)."""
+    from thunder.core.prims import OpTags
+
+    op = ex.register_operator(name, meta=meta, fn=fn, tags=(OpTags.MATMUL_OP,) if costly else None)
+    let_torch_executors_claim(
+        op, fn, owner=f"cpu_kernels.{group}", reason=f"{name} fusible by torch.compile", kind="speedup"
+    )
+    return op
 
 
 def _flash_attention_runs(
@@ -194,9 +209,9 @@ def _register_cpu_flash_attention(ex: Any) -> None:
             g.contiguous(), q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
 
-    flash = ex.register_operator("cpu_flash_attention", meta=flash_meta, fn=run_flash)
-    flash_backward = ex.register_operator(
-        "cpu_flash_attention_backward", meta=flash_backward_meta, fn=run_flash_backward
+    flash = _register_fusible_operator(ex, "cpu_flash_attention", flash_meta, run_flash, "flash_attention", costly=True)
+    flash_backward = _register_fusible_operator(
+        ex, "cpu_flash_attention_backward", flash_backward_meta, run_flash_backward, "flash_attention"
     )
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
@@ -254,17 +269,8 @@ def _register_complex_views(ex: Any) -> None:
         "cpu_view_as_complex_backward": (real_meta, lambda g: torch.view_as_real(g.contiguous().resolve_conj())),
         "cpu_view_as_real_backward": (complex_meta, lambda g: torch.view_as_complex(g.contiguous())),
     }
-    ops = {}
-    for name, (meta, fn) in fns.items():
-        ops[name] = ex.register_operator(name, meta=meta, fn=fn)
-        # thunder's torch.compile executor may fuse it, with the complex math around it, into its regions
-        let_torch_executors_claim(
-            ops[name],
-            fn,
-            owner="cpu_kernels.complex_views",
-            reason="complex views fusible by torch.compile",
-            kind="speedup",
-        )
+    # thunder's torch.compile executor may fuse each, with the complex math around it, into its regions
+    ops = {name: _register_fusible_operator(ex, name, meta, fn, "complex_views") for name, (meta, fn) in fns.items()}
     as_complex, as_real, as_complex_backward, as_real_backward = ops.values()
 
     def view_as_complex_grad(a: Any, /) -> Any:
@@ -299,4 +305,4 @@ def run_cpu_ops_with_torch_kernels() -> None:
     gradients (:func:`_register_complex_views`), and attention without mask or dropout with torch's CPU flash
     kernel (:func:`_register_cpu_flash_attention`). A program whose ``executors=`` list leaves out thunder's
     defaults keeps it; other devices and DTensors are not claimed (nvFuser fuses the decompositions on GPUs)."""
-    add_first_executor("run_cpu_ops_with_torch_kernels", _eager_kernels_executor())
+    add_first_executor("run_cpu_ops_with_torch_kernels", _eager_kernels_executor(), ahead_of_torch_compile=True)

@@ -99,9 +99,9 @@ def _add_first_executors(cd: Any, *, everywhere_only: bool) -> None:
         executors, defaults = list(cd.executors_list), list(get_default_executors())
         for i in range(len(executors) - len(defaults) + 1):
             if executors[i : i + len(defaults)] == defaults:
-                if ahead_of_torch_compile and torch_compile_ex in executors[:i]:
-                    i = executors.index(torch_compile_ex)
-                cd.executors_list = (*executors[:i], executor, *executors[i:])
+                ahead = ahead_of_torch_compile and torch_compile_ex in executors[:i]
+                at = executors.index(torch_compile_ex) if ahead else i
+                cd.executors_list = (*executors[:at], executor, *executors[at:])
                 break
 
 

@@ -99,6 +99,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.make_autograd_dummies_without_random_numbers()  # per-call time: no meta randn per training call
     _integration.compile_fused_regions_without_dynamo()  # and torch.compile executor regions skip dynamo's frame
     _integration.keep_fused_regions_in_program_order()  # rematerialization does not reorder a region (memory)
+    _integration.keep_what_backward_regions_materialize()  # nor recompute what a backward matmul reads
 
     from thunder_dtensor import tp_hooks
 

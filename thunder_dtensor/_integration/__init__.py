@@ -69,7 +69,8 @@ What is patched, and why:
   autograd bridge makes its meta dummy tensors with ``empty`` (``make_autograd_dummies_without_random_numbers``);
   thunder's torch.compile executor compiles its regions with inductor, without dynamo
   (``compile_fused_regions_without_dynamo``); a fusion region that rematerialization rebuilds keeps the program's
-  order (``keep_fused_regions_in_program_order``: memory and overlap).
+  order (``keep_fused_regions_in_program_order``: memory and overlap), and the cut between a forward and a
+  backward region keeps what torch's partitioner would not recompute (``keep_what_backward_regions_materialize``).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
@@ -212,6 +213,7 @@ from thunder_dtensor._integration.fixes.speedups import (
     dispatch_module_calls_outside_the_interpreter,
     in_stable_topological_order,
     keep_fused_regions_in_program_order,
+    keep_what_backward_regions_materialize,
     make_autograd_dummies_without_random_numbers,
     make_exception_frames_without_a_busy_wait,
     run_interpreter_helpers_directly,
@@ -510,6 +512,7 @@ __all__ += [
     "compile_fused_regions_without_dynamo",
     "in_stable_topological_order",
     "keep_fused_regions_in_program_order",
+    "keep_what_backward_regions_materialize",
     "consult_scoped_entries",
     "dispatch_module_calls_outside_the_interpreter",
     "fix_complex_gradients",

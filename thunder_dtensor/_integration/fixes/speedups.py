@@ -8,6 +8,7 @@ import contextlib
 import dis
 import functools
 import heapq
+import math
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -652,3 +653,89 @@ def keep_fused_regions_in_program_order() -> None:
     expects = expects_function("thunder.core.rematerialization", "producer", "consumer", "cut")
     kept = switched("keep_fused_regions_in_program_order", in_program_order, original)
     patch(rematerialization, "apply_rematerialization_for_consumer", kept, expects=expects)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a backward region keeps from its forward (thunder 0.2.6 ``rematerialization.find_cut``)
+# ---------------------------------------------------------------------------------------------------------
+#: a producer output at least this many times smaller than its symbol's tensor inputs is kept, not recomputed
+_SMALL_OUTPUT_RATIO = 4
+
+
+def _numel(proxy: Any) -> int:
+    return math.prod(int(s) for s in proxy.shape)
+
+
+def _read_through_views(value: Any, made_in_consumer: dict[str, Any]) -> Any:
+    """The value ``value`` is a view of, following the consumer's own shape ops back (a reshape of a reshape of
+    a forward value: that forward value)."""
+    from thunder.core.prims import OpTags
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.symbol import has_tags
+
+    while value.name in made_in_consumer:
+        source = made_in_consumer[value.name]
+        tensors = [a for a in source.flat_proxy_args if isinstance(a, TensorProxy)]
+        if len(tensors) != 1 or not has_tags(source, {OpTags.SHAPE_OP}):
+            break
+        value = tensors[0]
+    return value
+
+
+def values_to_keep_for_the_consumer(producer: Any, consumer: Any) -> tuple:
+    """The producer region's values that a consumer region should read rather than recompute, as torch's own
+    partitioner bans their recomputation: (1) what a matmul of the consumer reads (through views) is written to
+    memory in the consumer either way, so recomputing it only adds work and, under inductor, a kernel of its own
+    (a gelu recomputed for the weight gradient of the linear after it); (2) an output at least
+    ``_SMALL_OUTPUT_RATIO`` times smaller than its symbol's tensor inputs (a norm's mean and rstd) costs little to
+    keep and a pass over the inputs to recompute. A symbol with several outputs has all of them kept once one is:
+    recomputing it for the others would make the kept one a second time."""
+    from thunder.core.prims import OpTags
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.symbol import has_tags
+
+    maker = {o.name: b for b in producer.subsymbols for o in b.flat_proxy_outs if isinstance(o, TensorProxy)}
+    made_in_consumer = {o.name: b for b in consumer.subsymbols for o in b.flat_proxy_outs}
+    kept_makers: dict[int, Any] = {}
+    for bsym in consumer.subsymbols:
+        if not has_tags(bsym, {OpTags.MATMUL_OP}):
+            continue
+        for arg in bsym.flat_proxy_args:
+            if isinstance(arg, TensorProxy):
+                source = _read_through_views(arg, made_in_consumer)
+                if source.name not in made_in_consumer and source.name in maker:
+                    kept_makers[id(maker[source.name])] = maker[source.name]
+    for bsym in producer.subsymbols:
+        inputs = sum(_numel(a) for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
+        outputs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
+        if any(_numel(o) * _SMALL_OUTPUT_RATIO < inputs for o in outputs):
+            kept_makers[id(bsym)] = bsym
+    kept = {o.name: o for b in kept_makers.values() for o in b.flat_proxy_outs if isinstance(o, TensorProxy)}
+    return tuple(kept.values())
+
+
+@installer("speedup", "a backward region reads what torch's partitioner would not recompute from the forward")
+def keep_what_backward_regions_materialize() -> None:
+    """thunder's rematerialization (each fusion executor's pass) cuts the forward region from the backward one at
+    the fewest bytes, recomputing whatever is cheaper to pass on that way: under thunder's torch.compile executor
+    the backward recomputed a block's gelu (for the next linear's weight gradient, a matmul: the value is written
+    out again) and its layer norm (for the norm's mean and rstd). Each such recomputation is work in every step
+    and, under inductor, often a kernel of its own to compile. The cut now keeps what
+    :func:`values_to_keep_for_the_consumer` names, as torch's partitioner does (the forward region outputs them),
+    and cuts the rest at the fewest bytes as before."""
+    from thunder.core import rematerialization
+
+    original = rematerialization.find_cut
+
+    def keeping(external_producer_outputs: Any, producer: Any, consumer: Any) -> Any:
+        already = {p.name for p in external_producer_outputs if p is not None}
+        kept = tuple(p for p in values_to_keep_for_the_consumer(producer, consumer) if p.name not in already)
+        return original((*external_producer_outputs, *kept), producer, consumer)
+
+    expects = expects_function("thunder.core.rematerialization", "external_producer_outputs", "producer", "consumer")
+    patch(
+        rematerialization,
+        "find_cut",
+        switched("keep_what_backward_regions_materialize", keeping, original),
+        expects=expects,
+    )

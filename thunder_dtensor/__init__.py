@@ -100,6 +100,7 @@ if DISTRIBUTED_AVAILABLE:
     _integration.compile_fused_regions_without_dynamo()  # and torch.compile executor regions skip dynamo's frame
     _integration.keep_fused_regions_in_program_order()  # rematerialization does not reorder a region (memory)
     _integration.keep_what_backward_regions_materialize()  # nor recompute what a backward matmul reads
+    _integration.size_strided_shards_outside_tracing()  # a _StridedShard's size: no fake tolist while tracing
 
     from thunder_dtensor import tp_hooks
 

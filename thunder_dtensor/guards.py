@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -567,9 +566,10 @@ class BackwardForCotangentPlacements:
         self.saved_other = [getattr(p, "name", None) for p in _unpacked(backward_trace, "C1") or ()]
         self.forward_trace = forward_trace
         self.joint = joint
-        cd, cs, self._cache_info = compile_context
-        # weakly: the compile data holds the cache that holds this backward
-        self._compile_data, self._compile_stats = weakref.ref(cd), (None if cs is None else weakref.ref(cs))
+        # held, not weakly: a program's output outlives a jitted function dropped after its call
+        # (``thunder.jit(fn)(x).sum().backward()``), and this backward still traces with its compile data. (The
+        # compile data holds the cache that holds this backward: a cycle, which the garbage collector frees.)
+        self._compile_data, self._compile_stats, self._cache_info = compile_context
         self.backward_traces = backward_traces
         #: placements of the cotangents placed otherwise -> (backward, saved tensors' order, others' order), or None
         self.variants: dict = {}
@@ -604,11 +604,8 @@ class BackwardForCotangentPlacements:
             name, spec = by_position[i]
             specs[name] = ti.make_spec(spec.mesh, placements, spec.tensor_meta)
         try:
-            cd = self._compile_data()
-            ti.check(cd is not None, lambda: "the jitted function's compile data is gone")
-            cs = None if self._compile_stats is None else self._compile_stats()
             joint = joint_for_cotangent_specs(self.joint, specs)
-            forward, backward = ti.compile_joint_trace(joint, cd, cs, self._cache_info)
+            forward, backward = ti.compile_joint_trace(joint, self._compile_data, self._compile_stats, self._cache_info)
             ti.check(backward is not None, lambda: "the joint trace has no backward")
             names = _forward_names(self.forward_trace, forward)
             ti.check(names is not None, lambda: "its forward is not the forward that ran")

@@ -344,3 +344,58 @@ def test_meshes_over_the_same_ranks_but_other_process_groups_keep_their_own_coll
         assert out.device_mesh is mesh
         assert f"'{group}'" in str(thunder.last_traces(jitted)[-1]), f"the all-gather is not on group {group}"
         torch.testing.assert_close(out.to_local(), torch.cat([x] * world_size()))
+
+
+def _strided_bias_program(x, w1, b2, w3, b4, o7, o8):
+    """The reshape's output is ``_StridedShard`` on a 2x2 mesh; the concatenations gather it (fuzz seed 10357)."""
+    y = torch.nn.functional.linear(torch.nn.functional.linear(x, w1, b2), w3, b4).reshape(-1, 6, 96)
+    return torch.cat([torch.cat([o7, y], dim=-1), o8], dim=1)
+
+
+@pytest.mark.world_size(4)
+def test_strided_shard_sizes_are_not_read_from_fake_tensors(monkeypatch):
+    """DTensor sizes a ``_StridedShard`` from an ``arange`` it reads back with ``tolist``; while the lowering traced
+    on fake tensors each read made unbacked symbols (0.1-0.25 s apiece: 82 reads, most of this program's 13 s
+    compile). With ``size_strided_shards_outside_tracing`` no fake tensor is read back, and the values, gradients
+    and placements are eager's (``tests/unit/test_strided_shard_sizes.py``: the read it removes)."""
+    from thunder_dtensor._integration import clear_sharding_propagation_cache
+    from thunder_dtensor.testing import make_full, mesh_2d
+
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import Partial
+
+    mesh = mesh_2d(2)
+    shapes = [(3, 6, 6, 2), (3, 2), (3,), (16, 3), (16,), (3, 6, 1), (3, 1, 97)]
+    placements = [
+        [Shard(1), Replicate()],
+        [Replicate(), Shard(0)],
+        [Replicate(), Replicate()],
+        [Shard(0), Replicate()],
+        [Shard(0), Shard(0)],
+        [Shard(0), Replicate()],
+        [Shard(1), Partial()],
+    ]
+    fulls = [make_full(shape, seed=110 + i) for i, shape in enumerate(shapes)]
+    bias = fulls[4].clone().requires_grad_()
+    expected = _strided_bias_program(*fulls[:4], bias, *fulls[5:])
+    expected.sum().backward()
+    reads = []
+    tolist = FakeTensor.tolist
+
+    def counted(self):
+        reads.append(self)
+        return tolist(self)
+
+    monkeypatch.setattr(FakeTensor, "tolist", counted)
+
+    for cache in (PROPAGATION_CACHE, GRAPH_CACHE, LOCAL_META_CACHE):
+        cache.clear()
+    clear_sharding_propagation_cache()
+    inputs = [distribute_tensor(f, mesh, p) for f, p in zip(fulls, placements)]
+    inputs[4].requires_grad_()
+    out = thunder.jit(_strided_bias_program)(*inputs)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    out.sum().backward()
+    torch.testing.assert_close(inputs[4].grad.full_tensor(), bias.grad)
+    assert inputs[4].grad.placements == (Replicate(), Replicate())  # eager's (test_fuzz_regressions says why)
+    assert not reads, f"{len(reads)} fake tensors read back while the program was compiled"

@@ -11,6 +11,7 @@ collectives are seen by ``CommDebugMode`` too.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import warnings
 from collections.abc import Callable
@@ -352,6 +353,30 @@ def test_backward_traced_for_a_placement_is_kept_and_a_failure_warns(monkeypatch
 
 
 # --- keywords of redistribute / from_local / to_local / full_tensor -----------------------------------------
+def test_a_backward_for_other_placements_outlives_the_jitted_function():
+    """``thunder.jit(fn)(*inputs)`` drops the jitted function after the call; the output's backward, called with a
+    cotangent placed otherwise than traced, still traces its backward for that placement (it held the compile
+    data weakly: "the jitted function's compile data is gone", and the cotangent was redistributed, with a
+    warning, once the garbage collector had run; found by a 2x2-mesh program compiled twice in one process)."""
+    fn, _, shapes, placements = PROGRAMS["matmul_partial"]
+    mesh = mesh_1d()
+    fulls = [make_full(s, seed=60 + i) for i, s in enumerate(shapes)]
+    g_full = make_full((6, 4), seed=62)
+    plain = [f.clone().requires_grad_() for f in fulls]
+    expected = torch.autograd.grad(fn(*plain), plain, g_full)
+    eager_inputs = _inputs(fulls, placements, mesh)
+    eager = _backward(fn(*eager_inputs), _cotangent(g_full, Partial(), mesh), "autograd.grad", eager_inputs)
+    inputs = _inputs(fulls, placements, mesh)
+    out = thunder.jit(fn)(*inputs)
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CotangentPlacementWarning)
+        grads = _backward(out, _cotangent(g_full, Partial(), mesh), "autograd.grad", inputs)
+    for a, e, ref in zip(grads, eager, expected):
+        assert a.placements == e.placements
+        torch.testing.assert_close(a.full_tensor(), ref)
+
+
 def _compare(fn: Callable, make_inputs: Callable, what: str) -> None:
     """Forward and backward (ones as the gradient of each output's full tensor) against eager: values,
     placements, dtypes, gradients and collectives (counted on a second call)."""

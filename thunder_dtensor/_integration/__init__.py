@@ -71,6 +71,8 @@ What is patched, and why:
   (``compile_fused_regions_without_dynamo``); a fusion region that rematerialization rebuilds keeps the program's
   order (``keep_fused_regions_in_program_order``: memory and overlap), and the cut between a forward and a
   backward region keeps what torch's partitioner would not recompute (``keep_what_backward_regions_materialize``).
+* DTensor computes a ``_StridedShard``'s local size and offsets on real tensors while the lowering traces on fake
+  ones (``size_strided_shards_outside_tracing``: first-call time of 2-D meshes and flattened shards).
 
 Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`` gates):
 ``DTensor._spec`` / ``_local_tensor`` / ``_op_dispatcher`` (its sharding propagator's cache),
@@ -217,6 +219,7 @@ from thunder_dtensor._integration.fixes.speedups import (
     make_autograd_dummies_without_random_numbers,
     make_exception_frames_without_a_busy_wait,
     run_interpreter_helpers_directly,
+    size_strided_shards_outside_tracing,
     thunders_own_interpreter_paths,
 )
 from thunder_dtensor._integration.fixes.thunder_fixes import (
@@ -513,6 +516,7 @@ __all__ += [
     "in_stable_topological_order",
     "keep_fused_regions_in_program_order",
     "keep_what_backward_regions_materialize",
+    "size_strided_shards_outside_tracing",
     "consult_scoped_entries",
     "dispatch_module_calls_outside_the_interpreter",
     "fix_complex_gradients",

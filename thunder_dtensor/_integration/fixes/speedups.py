@@ -1,6 +1,7 @@
 """Speed-ups of thunder's interpreter and autograd bridge (kind ``speedup``; ``THUNDER_DTENSOR_SPEEDUPS=0`` turns
 them off): module calls, partials and thunder's own helpers run outside the interpreter, signatures read once, the
-bridge's dummies made without random numbers. torch's CPU kernels are ``cpu_kernels.py``'s."""
+bridge's dummies made without random numbers, thunder's torch.compile executor's regions, and DTensor's sizing of a
+``_StridedShard`` while a program is traced. torch's CPU kernels are ``cpu_kernels.py``'s."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
+from thunder_dtensor._integration.bootstrap import DISTRIBUTED_AVAILABLE, outside_tracing_modes
 from thunder_dtensor._integration.fixes.scoped_entries import add_scoped_lookaside
 from thunder_dtensor._integration.fixes.switches import EVERYWHERE, IN_DTENSOR_PROGRAMS, active, mode, switched
 from thunder_dtensor._integration.interpreter_calls import interpretable_copy, read_through_interpreter
@@ -739,3 +741,37 @@ def keep_what_backward_regions_materialize() -> None:
         switched("keep_what_backward_regions_materialize", keeping, original),
         expects=expects,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A ``_StridedShard``'s local size (torch 2.13 ``distributed/tensor/placement_types.py``): first-call time
+# ---------------------------------------------------------------------------------------------------------
+def _plain_ints(*numbers: Any) -> bool:
+    return all(type(n) is int for n in numbers)
+
+
+@installer("speedup", "a _StridedShard's local size and offsets are computed on real tensors while a program is traced")
+def size_strided_shards_outside_tracing() -> None:
+    """torch computes a ``_StridedShard``'s local size and offsets (``local_shard_size_and_offset``, which its
+    redistribution planner and sharding strategies ask) by splitting a ``torch.arange`` and reading it back with
+    ``tolist``. The lowering traces DTensor's dispatch on fake tensors, so there each read made unbacked symbols,
+    each with a captured traceback: 0.1-0.25 s a call, 20 s of one 2x2-mesh program's 25 s of tracing. The answer
+    depends only on the integer arguments, so with integers it runs outside the tracing modes, as in eager."""
+    if not DISTRIBUTED_AVAILABLE:
+        return
+    from torch.distributed.tensor import placement_types
+
+    strided = getattr(placement_types, "_StridedShard", None)
+    torchs = vars(strided).get("local_shard_size_and_offset") if strided is not None else None
+    if torchs is None:  # a release that sizes it otherwise
+        return
+
+    def on_real_tensors(self: Any, curr_local_size: Any, num_chunks: Any, rank: Any, *args: Any, **kwargs: Any) -> Any:
+        if _plain_ints(curr_local_size, num_chunks, rank):
+            with outside_tracing_modes():
+                return torchs(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+        return torchs(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+
+    expects = expects_function("torch.distributed.tensor", "self", "curr_local_size", "num_chunks", "rank")
+    replacement = switched("size_strided_shards_outside_tracing", on_real_tensors, torchs)
+    patch(strided, "local_shard_size_and_offset", replacement, expects=expects)

@@ -226,7 +226,11 @@ def test_fused_fsdp2_backward_reduce_scatters_each_block_before_gathering_the_ne
     """Under thunder's torch.compile executor the lowered FSDP2 backward is one inductor region, which keeps the
     program's order (``keep_fused_regions_in_program_order``; thunder's rematerialization had re-sorted it, every
     all-gather first and every reduce-scatter last: all unsharded gradients alive at once). Losses, gradients and
-    FSDP2's collectives equal eager FSDP2's."""
+    FSDP2's collectives equal eager FSDP2's. The forward hands the backward no gathered parameters: each block
+    gathers them again, as ``reshard_after_forward`` asks (thunder's cut between the regions had kept every
+    block's gathered buffer alive from the forward to the backward, re-gathering as well, until
+    ``keep_what_backward_regions_materialize`` kept the norms' outputs that the backward had recomputed from
+    those buffers)."""
     model, compiled, _, _ = _train_side_by_side(CASES["fsdp"], "jit_fused")
     backward = thunder.last_backward_traces(compiled)[-1]
     regions = [b for b in backward.bound_symbols if b.sym.name.startswith("TorchCompile")]
@@ -235,6 +239,30 @@ def test_fused_fsdp2_backward_reduce_scatters_each_block_before_gathering_the_ne
     # each block (last first): gather its parameters again, reduce-scatter its gradients; then the root's
     blocks = len(model.blocks)
     assert issued == ["all_gather_into_tensor", "reduce_scatter_tensor"] * blocks + ["reduce_scatter_tensor"]
+    gathered = _views_of_gathered_buffers(thunder.last_traces(compiled)[-1])
+    saved = next(b.output for b in backward.bound_symbols if b.args and getattr(b.args[0], "name", None) == "C0")
+    kept = sorted(p.name for p in saved if p.name in gathered)
+    assert not kept, f"the forward saves views of its gathered parameters for the backward: {kept}"
+
+
+def _views_of_gathered_buffers(forward: Any) -> set[str]:
+    """The names of the all-gathers' outputs in ``forward`` (fusion regions included) and of their views."""
+    from thunder.core.prims import OpTags
+
+    names: set[str] = set()
+
+    def walk(bsyms: list) -> None:
+        for b in bsyms:
+            reads = {a.name for a in b.flat_proxy_args}
+            gathers = b.sym.name in ("all_gather_into_tensor", "wait_tensor") and (
+                b.sym.name == "all_gather_into_tensor" or reads & names
+            )
+            if gathers or (reads & names and OpTags.SHAPE_OP in (b.sym.tags or ())):
+                names.update(o.name for o in b.flat_proxy_outs)
+            walk(b.subsymbols)
+
+    walk(forward.bound_symbols)
+    return names
 
 
 def test_a_synced_step_adds_the_gradients_kept_while_sync_was_off_once():

@@ -738,20 +738,44 @@ def run_vjp(torch_fn: Callable, args: tuple, kwargs: dict, cotangents: tuple, di
     return tuple(by_index.get(i) for i in diff_indices)
 
 
-def _backward_distrusted(inputs: list, outs: list) -> str | None:
-    """Why eager DTensor's backward of an op with these outputs gives wrong gradients, or None.
+def _is_partial_extremum(placement: Any) -> bool:
+    return placement.is_partial() and getattr(placement, "reduce_op", "sum") in ("max", "min")
+
+
+#: full reductions to an extremum whose backward compares the input with the output
+_EXTREMUM_REDUCTIONS = ("amin", "amax")
+
+
+def _backward_distrusted(inputs: list, outs: list, op_name: str = "") -> str | None:
+    """Why eager DTensor's backward of the op ``op_name`` with these outputs gives wrong gradients, or None.
 
     A 0-dim output that is ``Partial(max)`` / ``Partial(min)`` (``amax`` of a whole sharded tensor, an
     inf-norm) holds each rank's own extremum until reduced; torch's backward compares the input with that
     saved value, which DTensor does not reduce first when it is 0-dim, so every rank finds its own extremum
     and the gradient is wrong (nan / inf where no element matches). A reduction over some dims is right, and
     an op that only passes such a value on (a clone of an input that is already partial) is too.
+
+    ``amin`` / ``amax`` of a whole input that is ``Partial(sum)`` on one mesh dim and sharded on another
+    (fuzz seed 13001, a 2x2 mesh): eager's gradient is nan everywhere (its backward's mask compares values
+    that are not the reduced ones, and a rank without a match divides by a count of 0), measured for both
+    ops and both shard dims; the same input on a 1-D mesh, or replicated on the other dim, is right.
     """
+    if op_name.rsplit("_", 1)[-1] in _EXTREMUM_REDUCTIONS and any(
+        isinstance(o, DTensorProxy) and o.ndim == 0 for o in outs
+    ):
+        for x in inputs:
+            placements = tuple(x.placements) if isinstance(x, DTensorProxy) else ()
+            partial_sum = any(p.is_partial() and not _is_partial_extremum(p) for p in placements)
+            if partial_sum and any(p.is_shard() for p in placements):
+                return (
+                    f"eager DTensor's backward of {op_name} over an input placed {placements} gives nan "
+                    "gradients (its mask compares unreduced values)"
+                )
     if any(isinstance(x, DTensorProxy) and any(p.is_partial() for p in x.placements) for x in inputs):
         return None
     for o in outs:
         if isinstance(o, DTensorProxy) and o.ndim == 0:
-            bad = [p for p in o.placements if p.is_partial() and getattr(p, "reduce_op", "sum") in ("max", "min")]
+            bad = [p for p in o.placements if _is_partial_extremum(p)]
             if bad:
                 return (
                     f"eager DTensor's backward compares the input with the unreduced {bad[0]} output, "
@@ -819,7 +843,7 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         cotangents = tuple(_cotangent_or_none(o) for o in outs)
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
-        distrust = _backward_distrusted(flat_inputs, outs)
+        distrust = _backward_distrusted(flat_inputs, outs, name)
         groups = [diff_indices]
         if (
             len(diff_indices) > 1
@@ -854,7 +878,7 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         finally:
             trace.pop_scope()
         flat_inputs, _ = ti.torch_tree_flatten((args, kwargs))
-        return vjp(args, kwargs, cotangents, diff_indices, distrust=_backward_distrusted(flat_inputs, outs))
+        return vjp(args, kwargs, cotangents, diff_indices, distrust=_backward_distrusted(flat_inputs, outs, name))
 
     ti.register_grad(prim, grad_rule)
     record.grad_rule = record.generic_grad_rule = grad_rule

@@ -1137,3 +1137,49 @@ def test_a_write_into_a_column_view_reaches_the_tensor_it_views():
         o2, o3 = (DTensor.from_local(full / 2, mesh, [Partial()]) for full in fulls[2:])
         out = compiled(x, o1, o2, o3)
         torch.testing.assert_close(out.full_tensor(), expected)
+
+
+def _whole_extremum(op: str) -> Callable:
+    return lambda x: getattr(x * 1.0, op)()
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+@pytest.mark.parametrize("op", ["amin", "amax"])
+def test_the_extremum_of_a_partial_and_sharded_input_gets_torchs_gradient(lowering, op):
+    """Fuzz seed 13001 (4 ranks, a 2x2 mesh): ``amin`` / ``amax`` of a whole input placed ``(Partial(sum),
+    Shard(d))``. Eager DTensor's backward gives nan everywhere (its mask compares values that are not the reduced
+    ones; a rank without a match divides by a count of 0), and under thunderfx, where the extremum is an output
+    of a graph, the nan reached the input's gradient. Its vjp now runs replicated, warned: torch's gradient."""
+    case = DTensorCase(_whole_extremum(op), [make_full((2, 8), seed=70)], [[Partial(), Shard(0)]], mesh=mesh_2d(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)  # (warned once per op and placements)
+        result = run_case(case, jit_kwargs={"dtensor_lowering": lowering}, compare_eager=False)
+    backward = str(thunder.last_backward_traces(result.jitted)[-1])
+    assert f"{op}_vjp" in backward and "replicated" in backward
+
+
+def _extremum_read_as_a_number(x):
+    y = x * 1.0
+    return y * 2.0, y.amin().item()
+
+
+@pytest.mark.world_size(4)
+def test_the_extremum_of_a_partial_and_sharded_input_read_as_a_number_under_thunderfx():
+    """The same under thunderfx: ``.item()`` ends dynamo's graph, so the extremum is a graph output whose (zero)
+    cotangent runs its backward: it was nan, and so was every element of the input's gradient."""
+    from thunder.dynamo import thunderfx
+
+    mesh = mesh_2d(2)
+    full = make_full((2, 8), seed=71)
+    share = (mesh.get_local_rank(0) + 1) / 3  # the Partial(sum) dim: shares 1/3 and 2/3
+    local = distribute_tensor(full * share, mesh, [Replicate(), Shard(0)], src_data_rank=None).to_local()
+    x = DTensor.from_local(local, mesh, [Partial(), Shard(0)], shape=full.shape, stride=full.stride())
+    x.requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        out, number = thunderfx(_extremum_read_as_a_number)(x)
+        out.sum().backward()
+    assert number == pytest.approx(full.min().item())
+    torch.testing.assert_close(out.full_tensor(), full * 2.0)
+    torch.testing.assert_close(x.grad.full_tensor(), torch.full_like(full, 2.0))

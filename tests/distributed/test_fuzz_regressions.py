@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.ops.no_rule import HOW_OPS_RAN, ReplicatedFallbackWarning
-from thunder_dtensor.testing import DTensorCase, eager_error, make_full, mesh_1d, mesh_2d, run_case
+from thunder_dtensor.testing import DTensorCase, eager_error, make_full, mesh_1d, mesh_2d, recorded_calls, run_case
 
 import pytest
 import thunder
@@ -910,12 +910,23 @@ def _bias_gradient_through_a_gathering_reshape(x, w1, b2, w3, b4, o7, o8):
 
 @pytest.mark.world_size(4)
 @LOWERING
-def test_a_vjp_decides_how_it_runs_for_the_cotangent_that_flows(lowering):
+def test_a_vjp_decides_how_it_runs_for_the_cotangent_that_flows(lowering, monkeypatch):
     """Fuzz seed 10357 (4 ranks, a 2x2 mesh): the bias placed ``(S(0), S(0))`` got its gradient ``(S(0), S(0))``
     where eager's is ``(R, R)`` (values right). The reshape's output is ``_StridedShard``; thunder's autodiff traced
     its vjp on a cotangent placed like it, which DTensor rejects, so the vjp ran replicated and handed the gradient
     back in the primal's placements. The cotangent that flows is ``(R, R)`` (the concatenations gathered), on
-    which DTensor's own vjp runs: each generic vjp now decides how it runs again for the cotangent that flows."""
+    which DTensor's own vjp runs: each generic vjp now decides how it runs again for the cotangent that flows.
+
+    Compiled from empty caches, the program reads no fake tensor back: DTensor sizes a ``_StridedShard`` from an
+    ``arange`` it reads with ``tolist``, which under the lowering's fake tensors made unbacked symbols (0.1-0.25 s
+    apiece: 73 reads, most of the 13 s compile) until ``size_strided_shards_outside_tracing``
+    (``tests/unit/test_strided_shard_sizes.py``: the read it removes)."""
+    from thunder_dtensor._integration import clear_sharding_propagation_cache
+    from thunder_dtensor.lowering import GRAPH_CACHE, LOCAL_META_CACHE
+    from thunder_dtensor.primitive import PROPAGATION_CACHE
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
     shapes = [(3, 6, 6, 2), (3, 2), (3,), (16, 3), (16,), (3, 6, 1), (3, 1, 97)]
     inputs = [make_full(shape, seed=110 + i) for i, shape in enumerate(shapes)]
     placements = [
@@ -931,9 +942,14 @@ def test_a_vjp_decides_how_it_runs_for_the_cotangent_that_flows(lowering):
     case = DTensorCase(
         _bias_gradient_through_a_gathering_reshape, inputs, placements, requires_grad=requires_grad, mesh=mesh_2d(2)
     )
+    for cache in (PROPAGATION_CACHE, GRAPH_CACHE, LOCAL_META_CACHE):
+        cache.clear()
+    clear_sharding_propagation_cache()
+    reads = recorded_calls(monkeypatch, FakeTensor, "tolist")
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicatedFallbackWarning)  # no vjp of this program runs replicated
         run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+    assert not reads, f"{len(reads)} fake tensors read back while the program was compiled"
 
 
 def _lookup_transposed_and_strided(ids, table):

@@ -1,7 +1,7 @@
 """THUNDER_DTENSOR_CHECK_COLLECTIVES=1: ranks that compile different DTensor programs fail clearly, never hang."""
 
 from thunder_dtensor import consistency
-from thunder_dtensor.testing import make_full, mesh_1d, world_size
+from thunder_dtensor.testing import make_full, mesh_1d, recorded_calls, world_size
 
 import pytest
 import thunder
@@ -13,15 +13,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 @pytest.fixture
 def gathers(monkeypatch):
     """The check's gathers, recorded (they still run)."""
-    calls = []
-    real = consistency._all_gather
-
-    def recording(obj):
-        calls.append(obj)
-        return real(obj)
-
-    monkeypatch.setattr(consistency, "_all_gather", recording)
-    return calls
+    return recorded_calls(monkeypatch, consistency, "_all_gather")
 
 
 def mul_sum(x, w):

@@ -7,6 +7,7 @@ speed-up answers the same numbers without reading a fake tensor; plain (eager) c
 
 import thunder_dtensor  # noqa: F401  (installs the speed-up)
 from thunder_dtensor import fixes
+from thunder_dtensor.testing import recorded_calls
 
 import pytest
 import torch
@@ -28,14 +29,7 @@ def test_sizes_and_offsets_under_a_fake_mode_are_eagers_without_reading_fake_ten
     eager = {
         (rank, m): placement.local_shard_size_and_offset(size, chunks, rank, m) for rank in range(chunks) for m in mode
     }
-    reads = []
-    tolist = FakeTensor.tolist
-
-    def counted(self):
-        reads.append(self)
-        return tolist(self)
-
-    monkeypatch.setattr(FakeTensor, "tolist", counted)
+    reads = recorded_calls(monkeypatch, FakeTensor, "tolist")
 
     def under_fake_mode() -> dict:
         with FakeTensorMode(shape_env=ShapeEnv()), torch.no_grad():  # as the lowering traces

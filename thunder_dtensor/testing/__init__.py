@@ -439,6 +439,19 @@ def _case_label(case: DTensorCase) -> str:
     return label if n == 1 else f"{label} #{n}"
 
 
+def recorded_calls(monkeypatch: Any, owner: Any, name: str) -> list:
+    """Record each call of ``owner.name`` (its first argument; the call still runs), for the rest of the test."""
+    calls: list = []
+    real = getattr(owner, name)
+
+    def recording(first: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(first)
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls
+
+
 def same_placements(a: Sequence[Any], b: Sequence[Any]) -> bool:
     """Placement equality, with eager's ``_MaskPartial`` (a per-call object: its mask buffer is part of its
     equality) equal to thunder_dtensor's :class:`~thunder_dtensor.spec.MaskPartial` of the same vocabulary.

@@ -292,13 +292,18 @@ def test_gradient_placed_otherwise_on_a_2d_mesh():
     assert comm_counts(jit_mode) == comm_counts(eager_mode)
 
 
-def test_gradient_placed_otherwise_under_thunderfx():
+def _matmul_partial_with_torchs_gradients(seed: int) -> tuple:
+    """``matmul_partial`` on a 1-D mesh: the program, its placements, the mesh, the full inputs and cotangent made
+    from ``seed``, and plain torch's gradients of the full inputs for that cotangent."""
     fn, _, shapes, placements = PROGRAMS["matmul_partial"]
-    mesh = mesh_1d()
-    fulls = [make_full(s, seed=40 + i) for i, s in enumerate(shapes)]
-    g_full = make_full((6, 4), seed=42)
+    fulls = [make_full(s, seed=seed + i) for i, s in enumerate(shapes)]
+    g_full = make_full((6, 4), seed=seed + 2)
     plain = [f.clone().requires_grad_() for f in fulls]
-    expected = torch.autograd.grad(fn(*plain), plain, g_full)
+    return fn, placements, mesh_1d(), fulls, g_full, torch.autograd.grad(fn(*plain), plain, g_full)
+
+
+def test_gradient_placed_otherwise_under_thunderfx():
+    fn, placements, mesh, fulls, g_full, expected = _matmul_partial_with_torchs_gradients(seed=40)
     eager_inputs = _inputs(fulls, placements, mesh)
     eager_out, g = fn(*eager_inputs), _cotangent(g_full, Partial(), mesh)
     with CommDebugMode() as eager_mode:
@@ -318,12 +323,7 @@ def test_gradient_placed_otherwise_under_thunderfx():
 def test_backward_traced_for_a_placement_is_kept_and_a_failure_warns(monkeypatch):
     """The backward traced for new placements is traced once; the traced placements keep the traced backward;
     where tracing fails, a named warning says so and the cotangent is redistributed (eager's values)."""
-    fn, _, shapes, placements = PROGRAMS["matmul_partial"]
-    mesh = mesh_1d()
-    fulls = [make_full(s, seed=50 + i) for i, s in enumerate(shapes)]
-    g_full = make_full((6, 4), seed=52)
-    plain = [f.clone().requires_grad_() for f in fulls]
-    expected = torch.autograd.grad(fn(*plain), plain, g_full)
+    fn, placements, mesh, fulls, g_full, expected = _matmul_partial_with_torchs_gradients(seed=50)
     jitted = thunder.jit(fn)
     for placement in (Partial(), Replicate(), Partial(), Replicate()):
         inputs = _inputs(fulls, placements, mesh)
@@ -358,12 +358,7 @@ def test_a_backward_for_other_placements_outlives_the_jitted_function():
     cotangent placed otherwise than traced, still traces its backward for that placement (it held the compile
     data weakly: "the jitted function's compile data is gone", and the cotangent was redistributed, with a
     warning, once the garbage collector had run; found by a 2x2-mesh program compiled twice in one process)."""
-    fn, _, shapes, placements = PROGRAMS["matmul_partial"]
-    mesh = mesh_1d()
-    fulls = [make_full(s, seed=60 + i) for i, s in enumerate(shapes)]
-    g_full = make_full((6, 4), seed=62)
-    plain = [f.clone().requires_grad_() for f in fulls]
-    expected = torch.autograd.grad(fn(*plain), plain, g_full)
+    fn, placements, mesh, fulls, g_full, expected = _matmul_partial_with_torchs_gradients(seed=60)
     eager_inputs = _inputs(fulls, placements, mesh)
     eager = _backward(fn(*eager_inputs), _cotangent(g_full, Partial(), mesh), "autograd.grad", eager_inputs)
     inputs = _inputs(fulls, placements, mesh)

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import thunder_dtensor.fsdp
 from thunder_dtensor import DTensorOpError
 from thunder_dtensor.lowering import issues_a_collective
 from thunder_dtensor.testing import CollectivesByGroup, collectives_issued, comm_counts, device_type, world_size
@@ -243,6 +244,25 @@ def test_fused_fsdp2_backward_reduce_scatters_each_block_before_gathering_the_ne
     saved = next(b.output for b in backward.bound_symbols if b.args and getattr(b.args[0], "name", None) == "C0")
     kept = sorted(p.name for p in saved if p.name in gathered)
     assert not kept, f"the forward saves views of its gathered parameters for the backward: {kept}"
+
+
+def test_the_pre_forward_reads_parameters_without_interpreting_package_code():
+    """Each group's pre-forward reads its parameters from the module through thunder's interpreter (the prologue
+    checks them), one interpreted ``getattr`` per attribute: interpreting a Python loop over each parameter's path
+    cost 40-230 ms a parameter of the first call (FSDP2 H=256: 4.4 s against 3.2 s)."""
+    c = CASES["fsdp"]
+    mesh = c.build_mesh()
+    model = _wrap(Net(), c, mesh)
+    jitted = thunder.jit(model, debug_options=thunder.DebugOptions(record_interpreter_history=True))
+    jitted(_batch(0, 0, dist.get_rank())).sum().backward()
+    log = thunder.last_interpreter_log(jitted)
+    package_file = thunder_dtensor.fsdp.__file__
+    stepped = {item["fn"] for item in log if isinstance(item, dict) and item.get("filename") == package_file}
+    assert not stepped, f"the interpreter stepped through {sorted(stepped)}"
+    # the parameters were read by the interpreter all the same: every block's gathered by the program
+    assert collectives_issued([thunder.last_traces(jitted)[-1]], _fsdp_groups(c, mesh)) == {
+        "all_gather_into_tensor": len(model.blocks) + 1
+    }
 
 
 def _views_of_gathered_buffers(forward: Any) -> set[str]:

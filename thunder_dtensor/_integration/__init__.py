@@ -274,6 +274,7 @@ from thunder_dtensor._integration.fsdp import (
     wrap_constant,
 )
 from thunder_dtensor._integration.functionalize import ViewWriteEmitter, normalized_view_name
+from thunder_dtensor._integration.interpreter_calls import read_through_interpreter
 from thunder_dtensor._integration.masks import (
     let_fake_masks_stand_in,
     note_trace_time_masks,
@@ -439,6 +440,7 @@ __all__ += [
     "inplace_torchsymbol",
     "installer",
     "interpret_call",
+    "read_through_interpreter",
     "interpreting_user_program",
     "is_check_tensor_shape_and_metadata",
     "is_dynamo_dtensor_method_closure",
@@ -470,6 +472,7 @@ __all__ += [
     "nodes_traced_so_far",
     "note_dtensor_op_traced",
     "outside_tracing_modes",
+    "read_through_interpreter",
     "recording_aten_calls",
     "reduce_scatter_dim0",
     "register_grad",

@@ -1199,3 +1199,36 @@ def test_the_extremum_of_a_partial_and_sharded_input_read_as_a_number_under_thun
     assert number == pytest.approx(full.min().item())
     torch.testing.assert_close(out.full_tensor(), full * 2.0)
     torch.testing.assert_close(x.grad.full_tensor(), torch.full_like(full, 2.0))
+
+
+def _where_read_as_a_number(x, o):
+    y = torch.where(x > o, x, o)
+    return y, y.mean().item()
+
+
+@pytest.mark.world_size(4)
+def test_an_output_read_only_as_a_number_leaves_the_gradients_placements_as_eagers_under_thunderfx():
+    """Fuzz seed 13185 (4 ranks, a 2x2 mesh, thunderfx): ``.item()`` ends dynamo's graph, so the mean is an output
+    of the graph, placed ``Partial(avg)``, that gets no gradient. The zeros made in its place were placed as the
+    output, Partial, so the backward was traced again for them, and the input's gradient came out ``(S(0),
+    S(1))`` against eager's ``(R, S(1))``. The zeros are now placed as the cotangent the backward was traced for."""
+    from thunder.dynamo import thunderfx
+
+    mesh, placements = mesh_2d(2), [Replicate(), Shard(1)]  # (a 1-D mesh kept eager's placements)
+    full_x, full_o = make_full((6, 2), seed=72), make_full((1, 1), seed=73)
+    reference = full_x.clone().requires_grad_()
+    expected, expected_number = _where_read_as_a_number(reference, full_o)
+    cotangent = make_full((6, 2), seed=74)
+    expected.backward(cotangent)
+    compiled = thunderfx(_where_read_as_a_number)
+    for call in range(2):
+        inputs = [distribute_tensor(full_x, mesh, placements).requires_grad_() for _ in range(2)]
+        o = distribute_tensor(full_o, mesh, [Replicate(), Replicate()])
+        out, number = compiled(inputs[0], o)
+        eager, _ = _where_read_as_a_number(inputs[1], o)
+        assert number == pytest.approx(expected_number, rel=1e-5), f"call {call}"
+        torch.testing.assert_close(out.full_tensor(), expected.detach(), msg=f"call {call}")
+        for y in (out, eager):
+            y.backward(distribute_tensor(cotangent, mesh, y.placements))
+        torch.testing.assert_close(inputs[0].grad.full_tensor(), reference.grad, msg=f"call {call}")
+        assert inputs[0].grad.placements == inputs[1].grad.placements, f"call {call}"

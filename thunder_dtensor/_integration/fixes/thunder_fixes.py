@@ -1342,16 +1342,21 @@ def scale_by_run_time_alphas() -> None:
 # ---------------------------------------------------------------------------------------------------------
 def _zeros_like_output(output: Any) -> Callable[[], Any] | None:
     """What torch's autograd would put in place of a missing gradient of ``output`` (``zeros_like``), made from its
-    metadata only (the bridge must not hold its own outputs: a reference cycle through ``grad_fn``)."""
-    from thunder_dtensor._integration.bootstrap import DTensor, dtensor_spec, local_tensor
+    metadata only (the bridge must not hold its own outputs: a reference cycle through ``grad_fn``). A DTensor's
+    zeros are placed as the cotangent the backward was traced for (a Partial placement read as Replicate), not
+    as the output: under thunderfx a graph's output that only ``.item()`` reads gets no gradient, and its zeros
+    placed Partial made the backward trace again for them and the input's gradient come out placed otherwise
+    than eager's, which never differentiates that read (fuzz seed 13185)."""
+    from thunder_dtensor._integration.bootstrap import DTensor, Replicate, dtensor_spec, local_tensor
 
     if isinstance(output, DTensor):
         spec, local = dtensor_spec(output), local_tensor(output)
         shape, stride, dtype, device = tuple(local.shape), tuple(local.stride()), local.dtype, local.device
+        placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
         return lambda: DTensor.from_local(
             torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_(),
             spec.mesh,
-            spec.placements,
+            placements,
             run_check=False,
             shape=spec.shape,
             stride=spec.stride,

@@ -9,7 +9,7 @@ from typing import Any, cast
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.primitive import vjp_call_deciding_again
-from thunder_dtensor.proxy import DTensorProxy
+from thunder_dtensor.proxy import DTensorProxy, is_zero_cotangent_of
 from thunder_dtensor.spec import DTensorMeta
 
 import torch
@@ -347,6 +347,21 @@ def match_cotangent_specs(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
     return new_trace
 
 
+def _term_beside_a_zero_cotangent(bsym: ti.BoundSymbol) -> DTensorProxy | None:
+    """The other term of a sum of two cotangents one of which is a zero autodiff made (a value nothing flows back
+    to, such as an alias update's unused output). ``accumulate_cotangents`` drops such a term when it sees it,
+    but where the zero was still a stand-in while the rules were traced, the sum meets it only here: kept, it
+    gave the sum the zeros' placements instead of the gradient's (fuzz seed 13228)."""
+    if bsym.sym.name != "dtensor_add" or len(bsym.args) != 2 or bsym.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = bsym.args
+    if is_zero_cotangent_of(a, like=b) and isinstance(bsym.output, DTensorProxy) and b.shape == bsym.output.shape:
+        return b
+    if is_zero_cotangent_of(b, like=a) and isinstance(bsym.output, DTensorProxy) and a.shape == bsym.output.shape:
+        return a
+    return None
+
+
 def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
     """Re-propagate the backward's specs from the gradients that actually flow, as eager's backward does.
 
@@ -371,6 +386,10 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
             or not any(isinstance(a, DTensorProxy) for a in bsym.flat_proxy_args)
         ):
             bsyms.append(bsym)
+            continue
+        kept = _term_beside_a_zero_cotangent(bsym)
+        if kept is not None:  # the sum is that term: its placements flow on, as eager's (which has no zero term)
+            swap[ti.variableify(bsym.output)] = kept
             continue
         # a generic vjp decides again how it runs (the vjp, decomposed, replicated) for the cotangent that flows
         deciding_again = vjp_call_deciding_again(bsym.sym.name)

@@ -10,7 +10,7 @@ from thunder_dtensor.spec import DTensorMeta
 
 import torch
 
-__all__ = ["DTensorProxy", "is_dtensor_proxy", "proxify_dtensor", "proxy_for_value"]
+__all__ = ["DTensorProxy", "is_dtensor_proxy", "is_zero_cotangent_of", "proxify_dtensor", "proxy_for_value"]
 
 
 class DTensorProxy(ti.TensorProxy):
@@ -152,3 +152,14 @@ def proxify_dtensor(x: Any, name: str | None = None, history: tuple | None = Non
     if not ti.DISTRIBUTED_AVAILABLE or not isinstance(x, ti.DTensor):
         return None
     return proxy_for_value(x, requires_grad=x.requires_grad, name=name, history=history)
+
+
+def is_zero_cotangent_of(x: Any, *, like: Any) -> bool:
+    """``x`` is a zero cotangent autodiff made (ops/factories.py) of ``like``'s shape and dtype: summed with
+    ``like`` it adds nothing, and eager, which has no such term, gives the sum ``like``'s placements."""
+    return (
+        isinstance(x, DTensorProxy)
+        and x.is_zero_cotangent
+        and isinstance(like, DTensorProxy)
+        and (x.shape, x.dtype) == (like.shape, like.dtype)
+    )

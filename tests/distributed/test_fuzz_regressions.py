@@ -1232,3 +1232,40 @@ def test_an_output_read_only_as_a_number_leaves_the_gradients_placements_as_eage
             y.backward(distribute_tensor(cotangent, mesh, y.placements))
         torch.testing.assert_close(inputs[0].grad.full_tensor(), reference.grad, msg=f"call {call}")
         assert inputs[0].grad.placements == inputs[1].grad.placements, f"call {call}"
+
+
+def _written_clone_read_through_views(x, o3):
+    y = x.clone()
+    y.sub_(o3)
+    return y.transpose(0, 1)[2:5]
+
+
+def _scaled_written_clone_read_through_views(x, o2, o3):
+    return _written_clone_read_through_views(x * o2, o3)
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+@pytest.mark.parametrize(
+    ("fn", "shapes", "placements", "requires_grad"),
+    [
+        (_written_clone_read_through_views, [(3, 8)] * 2, [[Partial(), Shard(0)], [Replicate()] * 2], [False, True]),
+        (
+            _scaled_written_clone_read_through_views,
+            [(3, 8), (8,), (3, 8)],
+            [[Partial(), Shard(0)], [Replicate()] * 2, [Replicate(), Shard(1)]],
+            [False, True, False],
+        ),
+    ],
+    ids=["written", "scaled_then_written"],
+)
+def test_a_written_value_read_through_views_gives_eagers_gradient_placements(
+    fn, shapes, placements, requires_grad, lowering
+):
+    """Fuzz seed 13228 (4 ranks, a 2x2 mesh): a clone written in place, then read through a transpose and a slice.
+    Each step's alias update has an output nothing reads, whose zero cotangent was still a stand-in while the
+    rules were traced, so the sum of cotangents of the written value kept it: the gradient came out placed as
+    the zeros, ``(S(1), S(0))`` against eager's ``(R, S(0))`` (and ``(S(0), P)`` against ``(P, P)``)."""
+    inputs = [make_full(shape, seed=80 + i) for i, shape in enumerate(shapes)]
+    case = DTensorCase(fn, inputs, placements, requires_grad=requires_grad, mesh=mesh_2d(2))
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})

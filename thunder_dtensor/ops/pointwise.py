@@ -25,7 +25,7 @@ from thunder_dtensor.primitive import (
     is_runtime_number,
     propagate_on_fake_dtensors,
 )
-from thunder_dtensor.proxy import DTensorProxy
+from thunder_dtensor.proxy import DTensorProxy, is_zero_cotangent_of
 
 import torch
 
@@ -600,25 +600,16 @@ def _type_as(a, other):
 _register()
 
 
-def _is_zero_cotangent(x: Any, *, like: Any) -> bool:
-    """``x`` is a zero cotangent autodiff made (ops/factories.py) of ``like``'s shape and dtype."""
-    return (
-        isinstance(x, DTensorProxy)
-        and x.is_zero_cotangent
-        and isinstance(like, DTensorProxy)
-        and (x.shape, x.dtype) == (like.shape, like.dtype)
-    )
-
-
 def accumulate_cotangents(a: Any, b: Any) -> Any:
     """How thunder's autodiff sums two cotangents of one value: dtensor add for DTensors, else thunder's.
 
     A zero cotangent autodiff made (a value overwritten in place, an unused output) adds nothing: eager has no
-    such term, and adding it would give the sum the zeros' placements instead of the gradient's.
+    such term, and adding it would give the sum the zeros' placements instead of the gradient's. (Where the
+    zero is still a stand-in here, ``guards.propagate_gradient_specs`` drops it once it is known.)
     """
-    if _is_zero_cotangent(a, like=b):
+    if is_zero_cotangent_of(a, like=b):
         return b
-    if _is_zero_cotangent(b, like=a):
+    if is_zero_cotangent_of(b, like=a):
         return a
     if isinstance(a, DTensorProxy) or isinstance(b, DTensorProxy):
         return dtensor_add(a, b)

@@ -1269,3 +1269,31 @@ def test_a_written_value_read_through_views_gives_eagers_gradient_placements(
     inputs = [make_full(shape, seed=80 + i) for i, shape in enumerate(shapes)]
     case = DTensorCase(fn, inputs, placements, requires_grad=requires_grad, mesh=mesh_2d(2))
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+def _counted_lookup(ids, table):
+    return F.embedding(ids, table, padding_idx=-4, scale_grad_by_freq=True)
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+@pytest.mark.parametrize("fn", [_counted_lookup, F.embedding], ids=["counted", "plain"])
+@pytest.mark.parametrize("ids_placements", [[Replicate(), Replicate()], [Replicate(), Shard(0)]], ids=["R_R", "R_S0"])
+def test_a_lookup_in_a_table_sharded_over_its_vocabulary_on_both_mesh_dims(fn, ids_placements, lowering):
+    """Fuzz seed 13174 (4 ranks, a 2x2 mesh): a table placed ``(S(0), S(0))``, each rank one block of its rows.
+    Eager's rule masks the lookup over both mesh dims, and eager then fails (both placements share one mask
+    buffer: "MaskBuffer has been materialized with conflicting data"; with sharded ids an ``IndexError``); the
+    jit raised eager's error for a frequency-scaled lookup, which looks up replicated ids. The vocab-parallel
+    lookup now runs over both mesh dims: plain torch's values and gradient, the gradient in the table's
+    placements (the package's rule for a vocab-sharded table)."""
+    inputs = [make_full((14, 4), seed=90, dtype=torch.int64, int_high=12), make_full((12, 6), seed=91)]
+    placements = [ids_placements, [Shard(0), Shard(0)]]
+    case = DTensorCase(fn, inputs, placements, requires_grad=[False, True], mesh=mesh_2d(2))
+    result = run_case(
+        case,
+        jit_kwargs={"dtensor_lowering": lowering},
+        compare_eager=eager_error(case) is None,
+        # (sharded ids, not counted: eager's rule masks over one mesh dim, its gradient placements are eager's)
+        own_grad_placements=None if fn is F.embedding and ids_placements[1].is_shard() else {1: [Shard(0), Shard(0)]},
+    )
+    assert "MaskBuffer" not in str(thunder.last_traces(result.jitted)[-1])

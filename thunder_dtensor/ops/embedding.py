@@ -43,15 +43,16 @@ import torch.nn.functional as F
 
 
 def _vocab_parallel_embedding(
-    ids: Any, weight: Any, vocab_mesh_dim: int, padding_idx: int | None = None, scale_grad_by_freq: bool = False
+    ids: Any, weight: Any, vocab_mesh_dims: tuple, padding_idx: int | None = None, scale_grad_by_freq: bool = False
 ) -> Any:
     # ids sharded over a mesh dim the table is replicated on: each rank's rows hold the gradient of its own ids,
     # a sum pending over that dim (eager's placement there); to_local's backward would call it Replicate
     grad_placements = [
-        ti.Partial() if i != vocab_mesh_dim and p.is_replicate() and not ids.placements[i].is_replicate() else p
+        ti.Partial() if i not in vocab_mesh_dims and p.is_replicate() and not ids.placements[i].is_replicate() else p
         for i, p in enumerate(weight.placements)
     ]
-    if weight.placements[vocab_mesh_dim].is_replicate():
+    if any(weight.placements[d].is_replicate() for d in vocab_mesh_dims):  # (one mesh dim: _masked_by_eager)
+        (vocab_mesh_dim,) = vocab_mesh_dims
         # eager's rule looks up this rank's Shard(0) rows of a replicated table (a free redistribution): the gradient
         # holds those rows, zeros elsewhere, a sum pending over the mesh dim (eager's Partial)
         chunked = [ti.Shard(0) if i == vocab_mesh_dim else p for i, p in enumerate(weight.placements)]
@@ -73,7 +74,7 @@ def _vocab_parallel_embedding(
     else:
         rows = F.embedding(torch.where(outside, 0, local_ids - start), local_weight, local_padding)
         rows = torch.where(outside.unsqueeze(-1), 0.0, rows)
-    placements = _lookup_placements(ids, weight, vocab_mesh_dim)
+    placements = _lookup_placements(ids, weight, vocab_mesh_dims)
     shape = tuple(ids.shape) + (weight.shape[1],)
     stride = contiguous_stride(shape)
     # (torch annotates ``shape`` as a torch.Size; it takes a tuple of ints)
@@ -104,19 +105,19 @@ dtensor_embedding_dense_backward_prim = define_dtensor_prim(
 
 
 @define_vjp(dtensor_masked_lookup_prim)
-def _masked_lookup_vjp(g, out, ids, weight, vocab_mesh_dim, padding_idx=None, scale_grad_by_freq=False):
+def _masked_lookup_vjp(g, out, ids, weight, vocab_mesh_dims, padding_idx=None, scale_grad_by_freq=False):
     padding = -1 if padding_idx is None else padding_idx
     grad = dtensor_embedding_dense_backward_prim(g, ids, weight.shape[0], padding, scale_grad_by_freq)
     return (None, grad, None, None, None)
 
 
-def _lookup_placements(ids: Any, weight: Any, vocab_mesh_dim: int) -> list:
-    """The vocab-parallel lookup's output placements: the masked sum on the vocabulary's mesh dim, the embedding dim
+def _lookup_placements(ids: Any, weight: Any, vocab_mesh_dims: tuple) -> list:
+    """The vocab-parallel lookup's output placements: the masked sum on the vocabulary's mesh dims, the embedding dim
     sharded where the table's is (``Shard(1)``: the ids are replicated there), the ids' placements elsewhere."""
     out_dim = len(ids.shape)
     return [
         MaskPartial("sum", tuple(weight.shape), 0)
-        if i == vocab_mesh_dim
+        if i in vocab_mesh_dims
         else ti.Shard(out_dim)
         if isinstance(w, ti.Shard) and w.dim == 1
         else p
@@ -124,27 +125,30 @@ def _lookup_placements(ids: Any, weight: Any, vocab_mesh_dim: int) -> list:
     ]
 
 
-def _vocab_mesh_dim(ids: Any, weight: Any) -> int | None:
-    """The mesh dim a vocab-parallel lookup runs over: the table ``Shard(0)`` there and the ids ``Replicate``; on
+def _vocab_mesh_dims(ids: Any, weight: Any) -> tuple[int, ...] | None:
+    """The mesh dims a vocab-parallel lookup runs over: the table ``Shard(0)`` there and the ids ``Replicate``; on
     every other mesh dim the table replicated or sharded over its embedding dim (``Shard(1)``, the ids replicated
-    there: a 2-D mesh's table sharded both ways). None where the lookup is not vocab-parallel."""
+    there: a 2-D mesh's table sharded both ways). A table ``(Shard(0), Shard(0))`` is sharded over its vocabulary
+    on both mesh dims: each rank holds one block of rows, and the output is a masked sum over both (eager's rule
+    places it so, and eager's lookup then fails: both placements share one mask buffer, "MaskBuffer has been
+    materialized with conflicting data", fuzz seed 13174). None where the lookup is not vocab-parallel."""
     if (
         not (isinstance(ids, DTensorProxy) and isinstance(weight, DTensorProxy))
         or ids.device_mesh != weight.device_mesh
     ):
         return None
-    vocab_dims = [i for i, p in enumerate(weight.placements) if isinstance(p, ti.Shard) and p.dim == 0]
-    if len(vocab_dims) != 1 or not ids.placements[vocab_dims[0]].is_replicate():
+    vocab_dims = tuple(i for i, p in enumerate(weight.placements) if isinstance(p, ti.Shard) and p.dim == 0)
+    if not vocab_dims or not all(ids.placements[d].is_replicate() for d in vocab_dims):
         return None
     for w, i in zip(weight.placements, ids.placements):
         column_sharded = isinstance(w, ti.Shard) and w.dim == 1 and i.is_replicate()
         if not (w.is_replicate() or column_sharded or (isinstance(w, ti.Shard) and w.dim == 0)):
             return None
-    return vocab_dims[0]
+    return vocab_dims
 
 
-def _masked_by_eager(ids: Any, weight: Any) -> tuple[int, Any, Any] | None:
-    """Where eager's rule makes the lookup a masked one itself: (the mesh dim, the ids and table it looks up).
+def _masked_by_eager(ids: Any, weight: Any) -> tuple[tuple[int, ...], Any, Any] | None:
+    """Where eager's rule makes the lookup a masked one itself: (the mesh dims, the ids and table it looks up).
 
     DTensor may choose a vocab-parallel lookup for a table that is not vocab-sharded (a free ``Replicate ->
     Shard(0)`` on a mesh dim, seen on a 2x2 mesh: fuzz seeds 6121, 10371). Its output's ``_MaskPartial`` holds the
@@ -160,22 +164,22 @@ def _masked_by_eager(ids: Any, weight: Any) -> tuple[int, Any, Any] | None:
         eager = _eager_lookup_placements(ids, weight)
     except DTensorOpError:
         return None  # the fallback prim raises DTensor's rejection
-    masked = [i for i, p in enumerate(eager) if isinstance(p, MaskPartial)]
-    if len(masked) != 1:
+    masked = tuple(i for i, p in enumerate(eager) if isinstance(p, MaskPartial))
+    vocab_sharded = all(isinstance(weight.placements[d], ti.Shard) and weight.placements[d].dim == 0 for d in masked)
+    # several masked mesh dims: each with the table vocab-sharded (one replicated there: a single one)
+    if not masked or not (vocab_sharded or (len(masked) == 1 and weight.placements[masked[0]].is_replicate())):
         return None
-    dim = masked[0]
-    on_dim = weight.placements[dim]
-    if not (on_dim.is_replicate() or (isinstance(on_dim, ti.Shard) and on_dim.dim == 0)):
-        return None
-    ids_placements = [ti.Replicate() if i == dim else p for i, p in enumerate(ids.placements)]
-    table_placements = tuple(on_dim if i == dim else ti.Replicate() for i in range(weight.device_mesh.ndim))
-    ours = [MaskPartial("sum", tuple(weight.shape), 0) if i == dim else p for i, p in enumerate(ids_placements)]
+    ids_placements = [ti.Replicate() if i in masked else p for i, p in enumerate(ids.placements)]
+    table_placements = tuple(
+        weight.placements[i] if i in masked else ti.Replicate() for i in range(weight.device_mesh.ndim)
+    )
+    ours = [MaskPartial("sum", tuple(weight.shape), 0) if i in masked else p for i, p in enumerate(ids_placements)]
     if tuple(ours) != eager:
         return None
     ids = call_for_dtensor(ti.DTensor.redistribute, ids, ids.device_mesh, ids_placements)
     if table_placements != tuple(weight.placements):
         weight = dtensor_table_as_looked_up_prim(weight, table_placements)
-    return dim, ids, weight
+    return masked, ids, weight
 
 
 def _table_as_looked_up(table: Any, placements: tuple) -> Any:
@@ -193,13 +197,13 @@ def _table_as_looked_up_vjp(g, out, table, placements):
 
 
 def _lookup(ids: Any, weight: Any, padding_idx: Any, max_norm: Any, norm_type: Any, scale: bool, sparse: bool) -> Any:
-    mesh_dim = _vocab_mesh_dim(ids, weight)
+    mesh_dims = _vocab_mesh_dims(ids, weight)
     lookup = dtensor_vocab_parallel_embedding_prim
-    if mesh_dim is None and max_norm is None and not sparse:
+    if mesh_dims is None and max_norm is None and not sparse:
         masked = _masked_by_eager(ids, weight)
         if masked is not None:
-            (mesh_dim, ids, weight), lookup = masked, dtensor_masked_lookup_prim
-    if mesh_dim is not None and max_norm is None and not sparse:
+            (mesh_dims, ids, weight), lookup = masked, dtensor_masked_lookup_prim
+    if mesh_dims is not None and max_norm is None and not sparse:
         if padding_idx is not None:  # F.embedding's own check and normalization of a negative index
             vocabulary = weight.shape[0]
             ti.check(
@@ -208,7 +212,7 @@ def _lookup(ids: Any, weight: Any, padding_idx: Any, max_norm: Any, norm_type: A
                 exception_type=AssertionError,
             )
             padding_idx = padding_idx % vocabulary
-        return lookup(ids, weight, mesh_dim, padding_idx, scale)
+        return lookup(ids, weight, mesh_dims, padding_idx, scale)
     return fallback_prim(F.embedding)(ids, weight, padding_idx, max_norm, norm_type, scale, sparse)
 
 
@@ -266,9 +270,12 @@ def dtensor_embedding(
     out = dtensor_counted_over_the_batch_prim(
         _lookup(replicated, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse), ids.ndim
     )
-    if tuple(out.placements) == eager_placements or any(p.is_partial() for p in eager_placements):
+    # eager's placements where they are not a pending sum (the lookup's own masked sum cannot be made by a
+    # redistribution; a table vocab-sharded on both mesh dims sums over both, eager's sharded ids over one)
+    wanted = [o if e.is_partial() else e for o, e in zip(out.placements, eager_placements)]
+    if wanted == list(out.placements):
         return out
-    return call_for_dtensor(ti.DTensor.redistribute, out, out.device_mesh, list(eager_placements))
+    return call_for_dtensor(ti.DTensor.redistribute, out, out.device_mesh, wanted)
 
 
 register_function_for_dtensor(F.embedding, dtensor_embedding)

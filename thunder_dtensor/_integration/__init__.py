@@ -440,7 +440,6 @@ __all__ += [
     "inplace_torchsymbol",
     "installer",
     "interpret_call",
-    "read_through_interpreter",
     "interpreting_user_program",
     "is_check_tensor_shape_and_metadata",
     "is_dynamo_dtensor_method_closure",

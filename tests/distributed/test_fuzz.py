@@ -222,3 +222,22 @@ def test_ranks_with_uneven_shards_run_programs_whose_collectives_pair_up(seed):
     assert "view-write" in program.kinds or "item" in program.kinds
     result = run_program(program)
     assert result.outcome != "failed", result.failures
+
+
+@pytest.mark.world_size(4)
+def test_the_cotangent_handed_in_holds_the_full_value_it_was_made_from():
+    """Fuzz seed 13002 (a 2x2 mesh): ``x.flatten(0)`` of ``(S(1), S(1))`` is placed ``(_StridedShard(0, sf=6),) * 2``
+    with a shard order. torch distributes a full tensor to those placements as a DTensor without one, whose value
+    is another: eager's backward (and thunder's with the lowering off) then differentiated that other value, and
+    the fuzzer reported a gradient wrong against plain torch. The cotangent is now checked and replicated there."""
+    from thunder_dtensor.testing import make_full, mesh_2d
+
+    cotangent_for = fuzz_module.run_globals()["cotangent_for"]
+    mesh = mesh_2d(2)
+    out = distribute_tensor(make_full((6, 8), seed=1), mesh, [Shard(1), Shard(1)]).flatten(0)
+    full = make_full((48,), seed=2)
+    naive = distribute_tensor(full, mesh, [Replicate(), Replicate()]).redistribute(mesh, out.placements)
+    assert not torch.equal(naive.full_tensor(), full)  # torch's redistribution (if fixed, this check can go)
+    torch.testing.assert_close(cotangent_for(out, full).full_tensor(), full, rtol=0, atol=0)
+    sharded = distribute_tensor(make_full((6, 8), seed=3), mesh, [Shard(0), Shard(1)])  # a layout torch makes right
+    assert cotangent_for(sharded, make_full((6, 8), seed=4)).placements == sharded.placements

@@ -609,9 +609,14 @@ class _Generator:
         return d - self.ndim if negative and self.rng.random() < 0.3 else d
 
     def evenly_sharded(self) -> bool:
-        """Every dim divides over all ranks: shards are even whatever the placements (from_local infers shape)."""
+        """Every dim of the running value, and of each value before it, divides over all ranks: shards are even
+        whatever the placements (from_local infers shape). The values before count: a flatten keeps an uneven dim's
+        shards uneven in a ``_StridedShard`` of an even-sized dim (fuzz seed 14320: ``[8, 7]`` placed ``S(1)``,
+        flattened to ``[56]``, each rank's shard inferred as 14 elements; the ranks' collectives then disagreed in
+        size and gloo aborted the run)."""
         n = math.prod(self.mesh_shape)
-        return all(s % n == 0 for s in self.shape)
+        shapes = [self.shape, self.inputs[0].shape, *(st.shape for st in self.steps)]
+        return all(s % n == 0 for shape in shapes for s in shape)
 
     # -- candidates --------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
+from thunder_dtensor.lowering import forward_prims_kept, keeping_forward_prims_as_ran
 from thunder_dtensor.primitive import vjp_call_deciding_again
 from thunder_dtensor.proxy import DTensorProxy, is_zero_cotangent_of
 from thunder_dtensor.spec import DTensorMeta
@@ -576,6 +577,7 @@ class BackwardForCotangentPlacements:
         joint: ti.TraceCtx,
         compile_context: tuple[Any, Any, dict | None],
         backward_traces: list,
+        kept_forward: frozenset[str] = frozenset(),
     ) -> None:
         self.backward_fn = backward_fn
         cotangents = _unpacked(backward_trace, "cotangents") or []
@@ -585,6 +587,8 @@ class BackwardForCotangentPlacements:
         self.saved_other = [getattr(p, "name", None) for p in _unpacked(backward_trace, "C1") or ()]
         self.forward_trace = forward_trace
         self.joint = joint
+        #: the forward prims the lowering kept (their outputs' names): kept again, so the forward compiles alike
+        self.kept_forward = kept_forward
         # held, not weakly: a program's output outlives a jitted function dropped after its call
         # (``thunder.jit(fn)(x).sum().backward()``), and this backward still traces with its compile data. (The
         # compile data holds the cache that holds this backward: a cycle, which the garbage collector frees.)
@@ -624,7 +628,10 @@ class BackwardForCotangentPlacements:
             specs[name] = ti.make_spec(spec.mesh, placements, spec.tensor_meta)
         try:
             joint = joint_for_cotangent_specs(self.joint, specs)
-            forward, backward = ti.compile_joint_trace(joint, self._compile_data, self._compile_stats, self._cache_info)
+            with keeping_forward_prims_as_ran(self.kept_forward):
+                forward, backward = ti.compile_joint_trace(
+                    joint, self._compile_data, self._compile_stats, self._cache_info
+                )
             ti.check(backward is not None, lambda: "the joint trace has no backward")
             names = _forward_names(self.forward_trace, forward)
             ti.check(names is not None, lambda: "its forward is not the forward that ran")
@@ -675,5 +682,11 @@ def backward_for_cotangent_placements(entry: Any) -> Callable | None:
     if joint is None or forward is None or cd is None:
         return None
     return BackwardForCotangentPlacements(
-        entry.backward_fn, backward_trace, forward, joint, (cd, cs, ti.current_cache_info()), entry.backward_traces
+        entry.backward_fn,
+        backward_trace,
+        forward,
+        joint,
+        (cd, cs, ti.current_cache_info()),
+        entry.backward_traces,
+        forward_prims_kept(joint),
     )

@@ -1297,3 +1297,48 @@ def test_a_lookup_in_a_table_sharded_over_its_vocabulary_on_both_mesh_dims(fn, i
         own_grad_placements=None if fn is F.embedding and ids_placements[1].is_shard() else {1: [Shard(0), Shard(0)]},
     )
     assert "MaskBuffer" not in str(thunder.last_traces(result.jitted)[-1])
+
+
+def _norm_then_branch_on_its_maximum(x, g):
+    y = x.transpose(1, 0)
+    if isinstance(y, DTensor):  # (plain torch on the full tensors: the value itself)
+        y = y.redistribute(y.device_mesh, [Shard(2), Shard(1)])
+    y = F.rms_norm(F.log_softmax(y.unflatten(1, (4, 2)), dim=3), (6,), g, eps=1e-6)
+    return torch.tanh(y) if y.amax() > 0.5 else -y
+
+
+@pytest.mark.world_size(4)
+def test_a_backward_for_other_cotangent_placements_keeps_the_forward_prims_that_ran_unlowered():
+    """Fuzz seed 14325 (4 ranks, a 2x2 mesh, thunderfx): the bool read breaks dynamo's graph, and the first graph's
+    backward, traced for a cotangent ``(R, S(1))``, gets ``(S(0), S(1))``. Traced again for it, the ``rms_norm`` its
+    compile had kept as the eager op was lowered: not the forward that ran, so the cotangent was redistributed
+    (warned) and the norm weight's gradient placed ``(R, P)`` against eager's ``(P, P)``. The prims the forward
+    kept are kept again: eager's placements, no warning."""
+    from thunder_dtensor.guards import CotangentPlacementWarning
+
+    from thunder.dynamo import thunderfx
+
+    mesh = mesh_2d(2)
+    full_x, full_g = make_full((8, 2, 6), seed=100), make_full((6,), seed=101)
+    cotangent = make_full((2, 4, 2, 6), seed=102)
+    references = [full_x.clone().requires_grad_(), full_g.clone().requires_grad_()]
+    expected = _norm_then_branch_on_its_maximum(*references)
+    expected.backward(cotangent)
+
+    def inputs() -> list:
+        share = (mesh.get_local_rank(0) + 1) / 3  # the Partial(sum) dim: shares 1/3 and 2/3
+        local = distribute_tensor(full_g * share, mesh, [Replicate(), Shard(0)], src_data_rank=None).to_local()
+        g = DTensor.from_local(local, mesh, [Partial(), Shard(0)], shape=full_g.shape, stride=full_g.stride())
+        return [distribute_tensor(full_x, mesh, [Replicate(), Replicate()]).requires_grad_(), g.requires_grad_()]
+
+    compiled, ours, eagers = thunderfx(_norm_then_branch_on_its_maximum), inputs(), inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CotangentPlacementWarning)
+        out = compiled(*ours)
+        eager = _norm_then_branch_on_its_maximum(*eagers)
+        torch.testing.assert_close(out.full_tensor(), expected.detach())
+        for y in (out, eager):
+            y.backward(distribute_tensor(cotangent, mesh, [Replicate() if p.is_partial() else p for p in y.placements]))
+    for i, (mine, theirs, reference) in enumerate(zip(ours, eagers, references)):
+        torch.testing.assert_close(mine.grad.full_tensor(), reference.grad, msg=f"grad {i}")
+        assert mine.grad.placements == theirs.grad.placements, f"grad {i}"

@@ -43,7 +43,9 @@ from thunder_dtensor.lowering.tracing import GRAPH_CACHE, contiguous_spec
 from thunder_dtensor.lowering.transform import (
     LOWERING_OPTION,
     annotate_not_lowered,
+    forward_prims_kept,
     joint_gradients,
+    keeping_forward_prims_as_ran,
     lower_dtensor_program,
     lowering_enabled,
 )
@@ -59,8 +61,10 @@ __all__ = [
     "contiguous_spec",
     "dtensor_comm_ex",
     "dtensor_local_ex",
+    "forward_prims_kept",
     "issues_a_collective",
     "joint_gradients",
+    "keeping_forward_prims_as_ran",
     "local_op_symbol",
     "lower_dtensor_program",
     "lowering_enabled",

@@ -8,9 +8,11 @@ stays as it is, between a wrap and an unwrap, and the trace says why.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
@@ -584,6 +586,36 @@ def joint_gradients(vjp_name: str, vjp_args: tuple) -> tuple | None:
     )
 
 
+#: the outputs of the forward prims a compile kept (not lowered) that the current compile must keep too
+_FORWARD_KEPT_AS_RAN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "forward_kept_as_ran", default=frozenset()
+)
+
+
+@contextlib.contextmanager
+def keeping_forward_prims_as_ran(outputs: frozenset[str]) -> Iterator[None]:
+    """Compile with the forward prims that make ``outputs`` kept, as in the forward that ran.
+
+    A backward traced again for other cotangent placements (``guards.BackwardForCotangentPlacements``) must read
+    what the forward that ran saved: its joint's forward must compile to that forward. Whether a prim is lowered
+    can depend on the cotangent its joint is traced with (fuzz seed 14325: an ``rms_norm`` kept for one, lowered
+    for another), so the prims kept then are kept again."""
+    token = _FORWARD_KEPT_AS_RAN.set(outputs)
+    try:
+        yield
+    finally:
+        _FORWARD_KEPT_AS_RAN.reset(token)
+
+
+def forward_prims_kept(joint: ti.TraceCtx) -> frozenset[str]:
+    """The outputs of the forward dtensor prims the lowering of ``joint`` (a joint trace it lowered) kept."""
+    return getattr(joint, "_dtensor_kept_forward", frozenset())
+
+
+def _is_backward(bsym: ti.BoundSymbol) -> bool:
+    return ti.BoundSymbolTag.BACKWARD in bsym.tags  # type: ignore[attr-defined]  # (a tag registered at runtime)
+
+
 def _lower_symbol(state: _Lowering, bsyms: list, pairs: dict, i: int) -> None:
     """Lower ``bsyms[i]`` into ``state`` (or keep it as it is, saying why)."""
     bsym = bsyms[i]
@@ -594,6 +626,10 @@ def _lower_symbol(state: _Lowering, bsyms: list, pairs: dict, i: int) -> None:
     record = PRIMS.get(bsym.sym.name)
     if record is None:
         state.keep(bsym)
+        return
+    kept_as_ran = _FORWARD_KEPT_AS_RAN.get()
+    if kept_as_ran and not _is_backward(bsym) and any(o.name in kept_as_ran for o in bsym.flat_proxy_outs):
+        state.keep(bsym, "kept as in the forward that ran (a backward traced for other cotangent placements)")
         return
     why = _not_lowered(record)
     if why is not None:
@@ -662,6 +698,10 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
         bsyms = all_reduces_in_one_shot(bsyms, new_trace, one_shot_bytes)
     new_trace.bound_symbols = unwrap_early(claimed(bsyms, executors))
     new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  # (see annotate_not_lowered)
+    # on the trace lowered, under its own names: the joint a backward for other cotangents is traced from
+    trace._dtensor_kept_forward = frozenset(  # type: ignore[attr-defined]  # (see forward_prims_kept)
+        o.name for b in state.bsyms if b.sym.name in PRIMS and not _is_backward(b) for o in b.flat_proxy_outs
+    )
     new_trace.set_provenance(ti.TraceProvenance(f"DTensor lowering ({state.lowered} prims lowered)"))
     return new_trace
 

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
-from thunder_dtensor.lowering import forward_prims_kept, keeping_forward_prims_as_ran
+from thunder_dtensor.lowering import forward_prims_kept, is_backward, keeping_forward_prims_as_ran
 from thunder_dtensor.primitive import vjp_call_deciding_again
 from thunder_dtensor.proxy import DTensorProxy, is_zero_cotangent_of
 from thunder_dtensor.spec import DTensorMeta
@@ -353,13 +353,14 @@ def _term_beside_a_zero_cotangent(bsym: ti.BoundSymbol) -> DTensorProxy | None:
     to, such as an alias update's unused output). ``accumulate_cotangents`` drops such a term when it sees it,
     but where the zero was still a stand-in while the rules were traced, the sum meets it only here: kept, it
     gave the sum the zeros' placements instead of the gradient's (fuzz seed 13228)."""
-    if bsym.sym.name != "dtensor_add" or len(bsym.args) != 2 or bsym.kwargs.get("alpha", 1) != 1:
+    summed = bsym.sym.name == "dtensor_add" and len(bsym.args) == 2 and bsym.kwargs.get("alpha", 1) == 1
+    if not summed or not isinstance(bsym.output, DTensorProxy):
         return None
     a, b = bsym.args
-    if is_zero_cotangent_of(a, like=b) and isinstance(bsym.output, DTensorProxy) and b.shape == bsym.output.shape:
-        return b
-    if is_zero_cotangent_of(b, like=a) and isinstance(bsym.output, DTensorProxy) and a.shape == bsym.output.shape:
-        return a
+    # (a zero of the other term's shape and dtype: the sum has that shape, nothing broadcasts)
+    for zero, term in ((a, b), (b, a)):
+        if is_zero_cotangent_of(zero, like=term):
+            return term
     return None
 
 
@@ -381,7 +382,7 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
         if swap:
             bsym = bsym.from_bsym_swap_proxies(swap)
         if (
-            ti.BoundSymbolTag.BACKWARD not in bsym.tags  # type: ignore[attr-defined]  # (a tag registered at runtime)
+            not is_backward(bsym)
             or bsym.sym.id in (ti.prims.PrimIDs.GET_GRAD, ti.prims.PrimIDs.PUT_GRAD)
             or not any(isinstance(o, DTensorProxy) for o in bsym.flat_outs)
             or not any(isinstance(a, DTensorProxy) for a in bsym.flat_proxy_args)

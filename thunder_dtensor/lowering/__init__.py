@@ -27,7 +27,7 @@ wait placement) and ``transform`` (the pass itself).
 """
 
 from thunder_dtensor.lowering.graph import NotLowerable
-from thunder_dtensor.lowering.program import place_waits_late
+from thunder_dtensor.lowering.program import is_backward, place_waits_late
 from thunder_dtensor.lowering.symbols import (
     COLLECTIVE_SYMBOLS,
     LOCAL_META_CACHE,
@@ -62,6 +62,7 @@ __all__ = [
     "dtensor_comm_ex",
     "dtensor_local_ex",
     "forward_prims_kept",
+    "is_backward",
     "issues_a_collective",
     "joint_gradients",
     "keeping_forward_prims_as_ran",

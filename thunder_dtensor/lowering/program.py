@@ -29,6 +29,11 @@ from thunder_dtensor.proxy import DTensorProxy
 import torch
 
 
+def is_backward(bsym: Any) -> bool:
+    """Whether thunder's autodiff tagged ``bsym`` as part of the backward."""
+    return ti.BoundSymbolTag.BACKWARD in bsym.tags  # type: ignore[attr-defined]  # (a tag registered at runtime)
+
+
 def inherit_backward_tag(bsym: Any, replacements: Sequence) -> None:
     """Tag ``replacements`` (what ``bsym`` was opened or lowered into) as backward where ``bsym`` is.
 
@@ -36,10 +41,9 @@ def inherit_backward_tag(bsym: Any, replacements: Sequence) -> None:
     fuses a tagged symbol with an untagged one, so a lowered backward whose emitted ops lost the tag was cut into
     a region per stretch of thunder's own gradient ops (the block's fused backward under thunderfx: three graphs).
     """
-    backward = ti.BoundSymbolTag.BACKWARD  # type: ignore[attr-defined]  # (a tag registered at runtime)
-    if backward in bsym.tags:
+    if is_backward(bsym):
         for b in replacements:
-            b.tags.add(backward)
+            b.tags.add(ti.BoundSymbolTag.BACKWARD)  # type: ignore[attr-defined]
 
 
 def flatten_dtensor_composites(bsyms: list) -> list:

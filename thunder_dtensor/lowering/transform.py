@@ -31,6 +31,7 @@ from thunder_dtensor.lowering.program import (
     flatten_dtensor_composites,
     functional_all_reduces,
     inherit_backward_tag,
+    is_backward,
     issue_collectives_early,
     pair_vjps,
     place_waits_late,
@@ -612,10 +613,6 @@ def forward_prims_kept(joint: ti.TraceCtx) -> frozenset[str]:
     return getattr(joint, "_dtensor_kept_forward", frozenset())
 
 
-def _is_backward(bsym: ti.BoundSymbol) -> bool:
-    return ti.BoundSymbolTag.BACKWARD in bsym.tags  # type: ignore[attr-defined]  # (a tag registered at runtime)
-
-
 def _lower_symbol(state: _Lowering, bsyms: list, pairs: dict, i: int) -> None:
     """Lower ``bsyms[i]`` into ``state`` (or keep it as it is, saying why)."""
     bsym = bsyms[i]
@@ -628,7 +625,7 @@ def _lower_symbol(state: _Lowering, bsyms: list, pairs: dict, i: int) -> None:
         state.keep(bsym)
         return
     kept_as_ran = _FORWARD_KEPT_AS_RAN.get()
-    if kept_as_ran and not _is_backward(bsym) and any(o.name in kept_as_ran for o in bsym.flat_proxy_outs):
+    if kept_as_ran and not is_backward(bsym) and any(o.name in kept_as_ran for o in bsym.flat_proxy_outs):
         state.keep(bsym, "kept as in the forward that ran (a backward traced for other cotangent placements)")
         return
     why = _not_lowered(record)
@@ -700,7 +697,7 @@ def lower_dtensor_program(trace: ti.TraceCtx, executors: Sequence[Any] = ()) -> 
     new_trace._dtensor_not_lowered = state.kept  # type: ignore[attr-defined]  # (see annotate_not_lowered)
     # on the trace lowered, under its own names: the joint a backward for other cotangents is traced from
     trace._dtensor_kept_forward = frozenset(  # type: ignore[attr-defined]  # (see forward_prims_kept)
-        o.name for b in state.bsyms if b.sym.name in PRIMS and not _is_backward(b) for o in b.flat_proxy_outs
+        o.name for b in state.bsyms if b.sym.name in PRIMS and not is_backward(b) for o in b.flat_proxy_outs
     )
     new_trace.set_provenance(ti.TraceProvenance(f"DTensor lowering ({state.lowered} prims lowered)"))
     return new_trace

@@ -6,6 +6,8 @@ from typing import Any
 
 from thunder_dtensor import _integration as ti
 
+import torch
+
 __all__ = ["DTensorOpError", "DataDependentValueError", "describe_argument", "first_line", "structural_hint"]
 
 
@@ -14,35 +16,40 @@ def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0]
 
 
-def describe_argument(x: Any) -> str:
+def _is_dtensor(x: Any) -> bool:
+    """A DTensor: a traced one (a proxy) or a runtime one (an op that raises while the program runs)."""
     from thunder_dtensor.proxy import DTensorProxy
 
-    if isinstance(x, DTensorProxy):
-        return f"DTensor {x.dtype.shortname()}{list(x.shape)} placements={x.placements} mesh={x.device_mesh}"
-    if isinstance(x, ti.TensorProxy):
-        return f"torch.Tensor {x.dtype.shortname()}{list(x.shape)} (not a DTensor)"
+    return isinstance(x, DTensorProxy) or isinstance(x, ti.DTensor)
+
+
+def describe_argument(x: Any) -> str:
+    if isinstance(x, (ti.TensorProxy, torch.Tensor)):
+        dtype = x.dtype.shortname() if isinstance(x, ti.TensorProxy) else str(x.dtype).removeprefix("torch.")
+        if _is_dtensor(x):
+            placed: Any = x  # a DTensorProxy or a runtime DTensor
+            return f"DTensor {dtype}{list(x.shape)} placements={tuple(placed.placements)} mesh={placed.device_mesh}"
+        return f"torch.Tensor {dtype}{list(x.shape)} (not a DTensor)"
     return repr(x)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list:
     flat, _ = ti.tree_flatten((args, kwargs))
-    return [a for a in flat if isinstance(a, ti.TensorProxy)]
+    return [a for a in flat if isinstance(a, (ti.TensorProxy, torch.Tensor))]
 
 
 def structural_hint(args: tuple, kwargs: dict) -> str | None:
     """The hint for causes visible from the inputs alone (plain tensors, several meshes), else None."""
-    from thunder_dtensor.proxy import DTensorProxy
-
     tensors = _tensors(args, kwargs)
     # eager DTensor accepts 0-dim plain tensors as scalars
-    if any(not isinstance(t, DTensorProxy) and t.ndim > 0 for t in tensors):
+    if any(not _is_dtensor(t) and t.ndim > 0 for t in tensors):
         return (
             "convert every torch.Tensor argument to a DTensor first, with DTensor.from_local(t, mesh, placements) "
             "or distribute_tensor(t, mesh, placements), as eager DTensor requires"
         )
     meshes: list[Any] = []
     for t in tensors:
-        if isinstance(t, DTensorProxy) and not any(t.device_mesh is m or _same_mesh(t.device_mesh, m) for m in meshes):
+        if _is_dtensor(t) and not any(t.device_mesh is m or _same_mesh(t.device_mesh, m) for m in meshes):
             meshes.append(t.device_mesh)
     if len(meshes) > 1:
         return (

@@ -806,10 +806,38 @@ def call_backwards_with(call_or_rewrite: Callable, replicated: Callable) -> None
     _BACKWARD_CALL.call_or_rewrite, _BACKWARD_CALL.replicated = call_or_rewrite, replicated
 
 
+def _reporting_eager_backward_errors(op_name: str, vjp: Callable) -> Callable:
+    """``vjp`` as run in the backward: eager DTensor's own backward of ``op_name`` raising there (its fake run
+    at trace time passed) is reported with the op, its inputs' and cotangents' placements and a hint, where
+    torch's message names neither (fuzz seed 13001: a ``view`` of a cotangent whose local layout DTensor's
+    backward of ``unflatten`` cannot view, as eager's own backward raises)."""
+
+    def run(args: tuple, kwargs: dict, cotangents: tuple, diff_indices: tuple) -> tuple:
+        try:
+            return vjp(args, kwargs, cotangents, diff_indices)
+        except DTensorOpError:
+            raise
+        except RuntimeError as e:
+            raise DTensorOpError(
+                f"{op_name} backward (eager DTensor's autograd, on the inputs and then the cotangents below)",
+                (args, cotangents),
+                kwargs,
+                f"{type(e).__name__}: {e}",
+                hint=f"eager DTensor's autograd raises this for these placements and layouts (the trace's fake run "
+                f"did not); where thunder.jit's lowering (dtensor_lowering=True, the default) lowers {op_name}, it "
+                f"differentiates it on local shards instead; or redistribute its input (DTensor.redistribute, "
+                f"e.g. to Replicate) before {op_name}",
+            ) from e
+
+    return run
+
+
 def _register_generic_vjp(record: PrimRecord, name: str) -> None:
     prim, runtime_fn = record.symbol, cast(Callable, record.runtime_fn)  # (a differentiable prim has one)
     vjp_source = functools.partial(run_vjp, runtime_fn)
-    vjp_prim = define_dtensor_prim(f"{name}_vjp", vjp_source, differentiable=False)
+    vjp_prim = define_dtensor_prim(
+        f"{name}_vjp", vjp_source, execute=_reporting_eager_backward_errors(name, vjp_source), differentiable=False
+    )
     PRIMS[vjp_prim.name].is_generic_vjp = True
 
     def vjp(*vjp_args: Any, distrust: str | None = None, quiet: bool = False) -> Any:

@@ -11,7 +11,16 @@ from collections.abc import Callable
 
 from thunder_dtensor.errors import DTensorOpError
 from thunder_dtensor.ops.no_rule import HOW_OPS_RAN, ReplicatedFallbackWarning
-from thunder_dtensor.testing import DTensorCase, eager_error, make_full, mesh_1d, mesh_2d, recorded_calls, run_case
+from thunder_dtensor.testing import (
+    DTensorCase,
+    eager_error,
+    make_full,
+    mesh_1d,
+    mesh_2d,
+    raises,
+    recorded_calls,
+    run_case,
+)
 
 import pytest
 import thunder
@@ -1342,3 +1351,46 @@ def test_a_backward_for_other_cotangent_placements_keeps_the_forward_prims_that_
     for i, (mine, theirs, reference) in enumerate(zip(ours, eagers, references)):
         torch.testing.assert_close(mine.grad.full_tensor(), reference.grad, msg=f"grad {i}")
         assert mine.grad.placements == theirs.grad.placements, f"grad {i}"
+
+
+def _where_over_a_transposed_view(x, o3):
+    y = x.unflatten(1, (2, 4)).transpose(2, -2)
+    y = torch.where(y > y.mean().item(), y, 0.5 * y)
+    return (2.0 - y) @ o3
+
+
+def _transposed_view_case(requires_grad: bool) -> DTensorCase:
+    inputs = [make_full((2, 8), seed=110), make_full((2, 3), seed=111)]
+    placements = [[Partial(), Shard(0)], [Partial(), Replicate()]]
+    return DTensorCase(
+        _where_over_a_transposed_view, inputs, placements, requires_grad=[requires_grad, False], mesh=mesh_2d(2)
+    )
+
+
+@pytest.mark.world_size(4)
+def test_an_eager_result_is_read_in_the_layout_its_spec_gives():
+    """Fuzz seed 13001 (a 2x2 mesh): the comparison with a number read from the data runs as the eager op (not
+    lowered), and its result is transposed like its input. The lowering read it contiguous, so the ``where``
+    after it recorded a contiguous global stride where eager's is transposed, and the matmul's ``reshape``
+    decomposed otherwise: output ``(P(sum), R)`` against eager's ``(P(sum), S(0))``. An eager result is now read
+    dense in the layout its spec's global stride gives (copied there only if it is not)."""
+    run_case(_transposed_view_case(requires_grad=False))
+
+
+@pytest.mark.world_size(4)
+def test_eager_dtensors_own_backward_error_names_the_op_and_its_placements():
+    """Fuzz seeds 13001 and 14542 with the lowering off: eager DTensor's own backward of ``unflatten`` raises torch's
+    ``view size is not compatible`` (eager's autograd too), and the backward re-raised it bare, naming no op. It
+    is now a ``DTensorOpError`` that names the op's backward, the placements and a hint; with the lowering the
+    program is differentiated on local shards and gives plain torch's gradient."""
+    case = _transposed_view_case(requires_grad=True)
+    error = eager_error(case)
+    if error is None:  # a torch release fixed eager's backward: then thunder runs it as eager does
+        run_case(case, jit_kwargs={"dtensor_lowering": False})
+    else:
+        assert "view size is not compatible" in str(error), error
+        result = run_case(
+            case, jit_kwargs={"dtensor_lowering": False}, expect=raises(DTensorOpError, "Tensor_unflatten backward")
+        )
+        assert "view size is not compatible" in str(result.error) and "hint:" in str(result.error)
+    run_case(case, compare_eager=error is None)

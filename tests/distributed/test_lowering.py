@@ -264,3 +264,23 @@ def test_one_shot_option_sums_a_scalar_and_leaves_integer_sums_alone():
     count = thunder.jit(lambda d: (d > 0).sum().full_tensor(), dtensor_one_shot_all_reduce_bytes=8)
     assert torch.equal(count(x), (full > 0).sum())
     assert _collectives(thunder.last_traces(count)[-1]) == ["all_reduce@0"]
+
+
+@pytest.mark.world_size(2)
+def test_the_unwrap_of_an_eager_result_gives_the_layout_the_lowering_traced():
+    """An eager result is read dense in its spec's layout (``eager_result_info``): the unwrap hands its local tensor
+    on where it is laid out so, and copies it there where it is not (autograd, or a redistribution, may give
+    another layout). Its value never changes."""
+    from thunder_dtensor.lowering.symbols import _unwrap
+
+    mesh = mesh_1d()
+    full = torch.arange(4 * 6 * 2, dtype=torch.float32).reshape(4, 6, 2)
+    transposed = distribute_tensor(full, mesh, [Shard(0)]).transpose(1, 2)  # local [2, 2, 6], strides (12, 1, 2)
+    spec_stride = transposed.to_local().stride()
+    same = _unwrap(transposed, transposed._spec, spec_stride)
+    assert same is transposed.to_local() or same.data_ptr() == transposed.to_local().data_ptr()
+    contiguous = DTensor.from_local(transposed.to_local().contiguous(), mesh, [Shard(0)], run_check=False)
+    copied = _unwrap(contiguous, contiguous._spec, spec_stride)
+    assert copied.stride() == spec_stride
+    torch.testing.assert_close(copied, transposed.to_local())
+    assert _unwrap(transposed, transposed._spec, True).is_contiguous()

@@ -314,7 +314,7 @@ def unwrap_early(bsyms: list) -> list:
     """
     waiting: dict[str, list] = {}
     for bsym in bsyms:
-        if bsym.sym.name == "unwrap_dtensor" and not bsym.args[2]:  # (x, spec, contiguous): no copy
+        if bsym.sym.name == "unwrap_dtensor" and not bsym.args[2]:  # (x, spec, layout): no copy
             waiting.setdefault(bsym.flat_proxy_args[0].name, []).append(bsym)
     if not waiting:
         return bsyms

@@ -145,13 +145,24 @@ def may_communicate(bsym: ti.BoundSymbol) -> bool:
     return issues_a_collective(bsym) or bsym.sym.name in PRIMS
 
 
-def _unwrap(x: Any, spec: Any, contiguous: bool, *, placements: str = "") -> torch.Tensor:
+def _unwrap(x: Any, spec: Any, layout: bool | tuple[int, ...], *, placements: str = "") -> torch.Tensor:
+    """``layout``: False reads the local tensor as it is (its strides are guarded), True makes it contiguous, and
+    a tuple of strides makes it dense in that layout (an eager result whose spec says how eager lays it out)."""
     actual = ti.dtensor_spec(x)
     # autograd handed in other placements: the value, placed as traced (a layout of its own is fine: see below)
     if actual is not spec and (actual.mesh != spec.mesh or actual.placements != spec.placements):
         x = x.redistribute(spec.mesh, spec.placements)
     local = ti.local_tensor(x)
-    return local.contiguous() if contiguous else local
+    if layout is True:
+        return local.contiguous()
+    if layout and not _laid_out_as(local, layout):
+        return torch.empty_strided(local.shape, layout, dtype=local.dtype, device=local.device).copy_(local)
+    return local
+
+
+def _laid_out_as(t: torch.Tensor, stride: tuple[int, ...]) -> bool:
+    """Whether ``t`` has ``stride`` on every dim where a stride matters (size above 1), as ``is_contiguous``."""
+    return all(n <= 1 or s == e for n, s, e in zip(t.shape, t.stride(), stride))
 
 
 def _wrap(local: torch.Tensor, spec: Any, *, placements: str = "", alias: bool = False) -> Any:
@@ -172,7 +183,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _unwrap_meta(x: DTensorProxy, spec: Any, contiguous: bool, *, placements: str = "") -> ti.TensorProxy:
+def _unwrap_meta(x: DTensorProxy, spec: Any, layout: bool | tuple[int, ...], *, placements: str = "") -> ti.TensorProxy:
     shape = ti.local_shape_on(tuple(x.shape), spec.mesh, tuple(spec.placements))
     return ti.TensorProxy(shape=shape, dtype=x.dtype, device=x.device, requires_grad=False)
 
@@ -192,7 +203,8 @@ def _boundary_symbol(name: str, fn: Callable, meta: Callable) -> ti.Symbol:
     return sym
 
 
-#: the local shard of a runtime DTensor, in the traced spec (``contiguous=True`` where strides are unknown)
+#: the local shard of a runtime DTensor, in the traced spec (made contiguous, or dense in the spec's layout, where
+#: strides are unknown)
 unwrap_dtensor = _boundary_symbol("unwrap_dtensor", _unwrap, _unwrap_meta)
 
 

@@ -26,7 +26,7 @@ from thunder_dtensor.lowering.graph import (
 from thunder_dtensor.primitive import PRIMS, forward_and_gradients, is_runtime_number, to_torch_value
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
-from thunder_dtensor.spec import contiguous_stride
+from thunder_dtensor.spec import contiguous_stride, dense_stride_like
 
 import torch
 
@@ -184,6 +184,22 @@ def dtensor_info(x: DTensorProxy, spec: Any, local_stride: tuple[int, ...] | Non
         return LocalInput(spec, x.local_shape, local_stride, dtype, device)
     shape = ti.local_shape_on(tuple(x.shape), spec.mesh, tuple(spec.placements))
     return LocalInput(contiguous_spec(spec), shape, contiguous_stride(shape), dtype, device)
+
+
+def eager_result_info(x: DTensorProxy, spec: Any) -> LocalInput:
+    """The local metadata an eager DTensor result is read with: dense in the layout its spec's global stride gives.
+
+    An op run as eager DTensor lays its local result out as its inputs were (a comparison of a transposed value
+    is transposed), and its spec's global stride says so. Reading it contiguous would record a contiguous global
+    stride where eager's is not, and a later op (a matmul's reshape) could decompose otherwise than eager's and
+    place its result otherwise (fuzz seed 13001). Where the global stride is not dense, the value is read
+    contiguous.
+    """
+    shape, stride = tuple(spec.tensor_meta.shape), tuple(spec.tensor_meta.stride)
+    if stride == contiguous_stride(shape) or stride != dense_stride_like(shape, stride):
+        return dtensor_info(x, spec, None)
+    local_shape = ti.local_shape_on(shape, spec.mesh, tuple(spec.placements))
+    return dtensor_info(x, spec, dense_stride_like(local_shape, stride))
 
 
 def contiguous_spec(spec: Any) -> Any:

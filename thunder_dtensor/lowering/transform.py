@@ -52,6 +52,7 @@ from thunder_dtensor.lowering.tracing import (
     assumed_cotangent_info,
     contiguous_info,
     dtensor_info,
+    eager_result_info,
     graph_key,
     trace_joint,
     trace_op,
@@ -67,7 +68,7 @@ from thunder_dtensor.primitive import (
     without_unused_vjp_gradients,
 )
 from thunder_dtensor.proxy import DTensorProxy
-from thunder_dtensor.spec import DTensorMeta
+from thunder_dtensor.spec import DTensorMeta, contiguous_stride
 from thunder_dtensor.thunder_equivalents import thunder_equivalent
 
 import torch
@@ -128,6 +129,7 @@ class _Lowering:
         self.spec: dict[str, Any] = {}  # DTensor proxy name -> its actual spec, where it is not the annotation
         self.layout: dict[str, Any] = {}  # DTensor proxy name -> the spec its unwrapped local value is read with
         self.materialized: set[str] = set()  # DTensor proxies that exist as runtime DTensors
+        self.eager_results: set[str] = set()  # DTensor outputs of kept prims: laid out as their specs say
         flat_inputs = ti.tree_flatten((trace.args, trace.kwargs))[0]
         self.guarded = {x.name for x in flat_inputs if isinstance(x, DTensorProxy)}  # local strides known
         # DTensor proxy name -> the local layout of the value it renames (update_aliases outputs): read as it is,
@@ -148,6 +150,8 @@ class _Lowering:
             return dataclasses.replace(self.fake[self.local[x.name].name], spec=spec)
         if x.name in self.renamed:
             return self.renamed[x.name]
+        if x.name in self.eager_results:
+            return eager_result_info(x, self.spec_of(x))
         return dtensor_info(x, self.spec_of(x), x.meta.local_stride if x.name in self.guarded else None)
 
     def local_of(self, x: DTensorProxy) -> ti.TensorProxy:
@@ -157,9 +161,12 @@ class _Lowering:
         info = self.local_info(x)
         with ti.tracectx(self.trace):
             out = ti.TensorProxy(shape=info.shape, dtype=x.dtype, device=x.device, requires_grad=False)
-        # unknown strides (autograd's cotangents, eager results) are made contiguous; the spec is checked
-        contiguous = x.name not in self.guarded and x.name not in self.renamed
-        self.bsyms.append(unwrap_dtensor.bind(x, info.spec, contiguous, placements=_readable(info.spec), output=out))
+        # unknown strides (autograd's cotangents, eager results) are made contiguous, or dense in the layout an
+        # eager result's spec gives (``eager_result_info``); the spec is checked
+        layout: bool | tuple[int, ...] = x.name not in self.guarded and x.name not in self.renamed
+        if layout and info.stride != contiguous_stride(info.shape):
+            layout = info.stride
+        self.bsyms.append(unwrap_dtensor.bind(x, info.spec, layout, placements=_readable(info.spec), output=out))
         self.fake[out.name] = dataclasses.replace(info, spec=None)
         self.local[x.name] = out
         self.layout[x.name] = info.spec
@@ -200,6 +207,7 @@ class _Lowering:
         for o in bsym.flat_proxy_outs:
             if isinstance(o, DTensorProxy):
                 self.materialized.add(o.name)
+                self.eager_results.add(o.name)
         if record is not None and record.renames_arguments:
             for before, after in zip(bsym.flat_proxy_args, bsym.flat_proxy_outs):
                 if not (isinstance(before, DTensorProxy) and isinstance(after, DTensorProxy)):

@@ -348,11 +348,12 @@ def match_cotangent_specs(backward_trace: ti.TraceCtx) -> ti.TraceCtx:
     return new_trace
 
 
-def _term_beside_a_zero_cotangent(bsym: ti.BoundSymbol) -> DTensorProxy | None:
+def _term_beside_a_zero_cotangent(bsym: ti.BoundSymbol, zeros: set[str]) -> DTensorProxy | None:
     """The other term of a sum of two cotangents one of which is a zero autodiff made (a value nothing flows back
-    to, such as an alias update's unused output). ``accumulate_cotangents`` drops such a term when it sees it,
-    but where the zero was still a stand-in while the rules were traced, the sum meets it only here: kept, it
-    gave the sum the zeros' placements instead of the gradient's (fuzz seed 13228)."""
+    to, such as an alias update's unused output), or a value computed from zero cotangents only (``zeros``).
+    ``accumulate_cotangents`` drops such a term when it sees it, but where the zero was still a stand-in while
+    the rules were traced, the sum meets it only here: kept, it gave the sum the zeros' placements instead of
+    the gradient's (fuzz seed 13228)."""
     summed = bsym.sym.name == "dtensor_add" and len(bsym.args) == 2 and bsym.kwargs.get("alpha", 1) == 1
     if not summed or not isinstance(bsym.output, DTensorProxy):
         return None
@@ -361,10 +362,13 @@ def _term_beside_a_zero_cotangent(bsym: ti.BoundSymbol) -> DTensorProxy | None:
     for zero, term in ((a, b), (b, a)):
         if is_zero_cotangent_of(zero, like=term):
             return term
+        if isinstance(zero, DTensorProxy) and zero.name in zeros and isinstance(term, DTensorProxy):
+            if (zero.shape, zero.dtype) == (term.shape, term.dtype):
+                return term
     return None
 
 
-def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
+def propagate_gradient_specs(joint_trace: ti.TraceCtx, zero_cotangents: frozenset[str] = frozenset()) -> ti.TraceCtx:
     """Re-propagate the backward's specs from the gradients that actually flow, as eager's backward does.
 
     thunder's autodiff traces each grad rule, in forward order, on a stand-in for its output's cotangent
@@ -374,57 +378,85 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx) -> ti.TraceCtx:
     stand-in, and the executor pass re-runs the metas on the swapped inputs without updating them: the trace
     is inconsistent (a stale spec, or a rejection eager never meets). Here each backward step that reads a
     DTensor is traced again on its actual inputs, in order, and its outputs replaced where their specs change.
+
+    ``zero_cotangents``: cotangents (``prims.get_grad`` outputs) that are zeros standing in for a gradient
+    autograd did not give. A backward is linear in its cotangents, so what it computes from zero cotangents only
+    is zero; summed into a gradient, such a value is dropped, as eager, which never runs those ops' backward, has
+    no such term (fuzz seed 14347: the zeros of a mean read by ``.item()`` ran ``abs().mean()``'s backward, and
+    summing that sharded zero into a Partial gradient reduce-scattered it). Dead code elimination then drops
+    the steps that computed it.
     """
     new_trace = ti.from_trace(joint_trace)
     swap: dict = {}
     bsyms: list = []
+    from_cotangents: set[str] = set(zero_cotangents)  # values computed from cotangents (the linear part)
+    zeros: set[str] = set(zero_cotangents)  # ... from zero cotangents only
     for bsym in cast(list[ti.BoundSymbol], joint_trace.bound_symbols):
         if swap:
             bsym = bsym.from_bsym_swap_proxies(swap)
-        if (
-            not is_backward(bsym)
-            or bsym.sym.id in (ti.prims.PrimIDs.GET_GRAD, ti.prims.PrimIDs.PUT_GRAD)
-            or not any(isinstance(o, DTensorProxy) for o in bsym.flat_outs)
-            or not any(isinstance(a, DTensorProxy) for a in bsym.flat_proxy_args)
-        ):
-            bsyms.append(bsym)
+        stands_for = _propagate_step(bsym, new_trace, bsyms, swap, zeros)
+        if not zero_cotangents:
             continue
-        kept = _term_beside_a_zero_cotangent(bsym)
-        if kept is not None:  # the sum is that term: its placements flow on, as eager's (which has no zero term)
-            swap[ti.variableify(bsym.output)] = kept
+        if bsym.sym.id == ti.prims.PrimIDs.GET_GRAD:
+            from_cotangents.update(o.name for o in bsym.flat_proxy_outs)
             continue
-        # a generic vjp decides again how it runs (the vjp, decomposed, replicated) for the cotangent that flows
-        deciding_again = vjp_call_deciding_again(bsym.sym.name)
-        with ti.tracectx(new_trace):
-            new_trace.push_scope([])
-            if deciding_again is not None:
-                out = deciding_again(*bsym.args)
-            else:
-                out = bsym.sym(*bsym.args, **bsym.kwargs)
-            retraced = new_trace.pop_scope()
-        old_outs, new_outs = ti.tree_flatten(bsym.output)[0], ti.tree_flatten(out)[0]
-        ti.check(  # (mypy cannot infer the type of a lambda with a default argument)
-            len(old_outs) == len(new_outs),
-            lambda name=bsym.sym.name: f"{name} changed its outputs when retraced",  # type: ignore[misc]
-        )
-        changed = [
-            (o, n)
-            for o, n in zip(old_outs, new_outs)
-            if isinstance(o, DTensorProxy) and (o.meta.spec, o.local_shape) != (n.meta.spec, n.local_shape)
-        ]
-        if not changed and [b.sym.name for b in retraced] == [bsym.sym.name]:
-            bsyms.append(bsym)
-            continue
-        for b in retraced:
-            b.tags |= bsym.tags
-        bsyms.extend(retraced)
-        for o, n in zip(old_outs, new_outs):
-            if isinstance(o, ti.Proxy) and isinstance(n, ti.Proxy):
-                swap[ti.variableify(o)] = n
+        read = [a.name for a in bsym.flat_proxy_args if a.name in from_cotangents]
+        for o in bsym.flat_proxy_outs if stands_for is None else stands_for:
+            if read:
+                from_cotangents.add(o.name)
+                if all(n in zeros for n in read):
+                    zeros.add(o.name)
     if not swap:  # every spec was right (every program without a DTensor backward): the trace as it was
         return joint_trace
     new_trace.bound_symbols = bsyms
     return new_trace
+
+
+def _propagate_step(bsym: ti.BoundSymbol, new_trace: ti.TraceCtx, bsyms: list, swap: dict, zeros: set[str]) -> Any:
+    """One step of :func:`propagate_gradient_specs`: ``bsym``, or what it is traced again as, appended to
+    ``bsyms``, its outputs replaced in ``swap`` where their specs change. Returns the proxies that stand for its
+    outputs from here on, or None where they are its own."""
+    if (
+        not is_backward(bsym)
+        or bsym.sym.id in (ti.prims.PrimIDs.GET_GRAD, ti.prims.PrimIDs.PUT_GRAD)
+        or not any(isinstance(o, DTensorProxy) for o in bsym.flat_outs)
+        or not any(isinstance(a, DTensorProxy) for a in bsym.flat_proxy_args)
+    ):
+        bsyms.append(bsym)
+        return None
+    kept = _term_beside_a_zero_cotangent(bsym, zeros)
+    if kept is not None:  # the sum is that term: its placements flow on, as eager's (which has no zero term)
+        swap[ti.variableify(bsym.output)] = kept
+        return [kept]
+    # a generic vjp decides again how it runs (the vjp, decomposed, replicated) for the cotangent that flows
+    deciding_again = vjp_call_deciding_again(bsym.sym.name)
+    with ti.tracectx(new_trace):
+        new_trace.push_scope([])
+        if deciding_again is not None:
+            out = deciding_again(*bsym.args)
+        else:
+            out = bsym.sym(*bsym.args, **bsym.kwargs)
+        retraced = new_trace.pop_scope()
+    old_outs, new_outs = ti.tree_flatten(bsym.output)[0], ti.tree_flatten(out)[0]
+    ti.check(  # (mypy cannot infer the type of a lambda with a default argument)
+        len(old_outs) == len(new_outs),
+        lambda name=bsym.sym.name: f"{name} changed its outputs when retraced",  # type: ignore[misc]
+    )
+    changed = [
+        (o, n)
+        for o, n in zip(old_outs, new_outs)
+        if isinstance(o, DTensorProxy) and (o.meta.spec, o.local_shape) != (n.meta.spec, n.local_shape)
+    ]
+    if not changed and [b.sym.name for b in retraced] == [bsym.sym.name]:
+        bsyms.append(bsym)
+        return None
+    for b in retraced:
+        b.tags |= bsym.tags
+    bsyms.extend(retraced)
+    for o, n in zip(old_outs, new_outs):
+        if isinstance(o, ti.Proxy) and isinstance(n, ti.Proxy):
+            swap[ti.variableify(o)] = n
+    return [n for n in new_outs if isinstance(n, ti.Proxy)]
 
 
 def make_cotangent_proxy(a: Any) -> DTensorProxy | None:
@@ -538,9 +570,12 @@ def _forward_names(ran: ti.TraceCtx, again: ti.TraceCtx) -> dict[str, str] | Non
     return names
 
 
-def joint_for_cotangent_specs(joint: ti.TraceCtx, specs: dict[str, Any]) -> ti.TraceCtx:
+def joint_for_cotangent_specs(
+    joint: ti.TraceCtx, specs: dict[str, Any], zero_cotangents: frozenset[str] = frozenset()
+) -> ti.TraceCtx:
     """``joint`` with the cotangents named in ``specs`` (``prims.get_grad`` outputs) given those specs, and the
-    backward's specs propagated from them (:func:`propagate_gradient_specs`)."""
+    backward's specs propagated from them (:func:`propagate_gradient_specs`, where ``zero_cotangents`` are zeros
+    standing in for gradients autograd did not give)."""
     trace = ti.from_trace(joint)
     swap: dict = {}
     bsyms: list = []
@@ -559,7 +594,7 @@ def joint_for_cotangent_specs(joint: ti.TraceCtx, specs: dict[str, Any]) -> ti.T
             swap[ti.variableify(out)] = placed
         bsyms.append(bsym)
     trace.bound_symbols = bsyms
-    return propagate_gradient_specs(trace)
+    return propagate_gradient_specs(trace, zero_cotangents)
 
 
 def _readable_placements(placements: tuple) -> str:
@@ -600,14 +635,20 @@ class BackwardForCotangentPlacements:
 
     def __call__(self, saved_for_backward: list, cotangents: list) -> Any:
         key = None
+        missing: tuple = ()
         for i, _, spec in self.traced:
             c = cotangents[i]
-            if isinstance(c, ti.DTensor):
+            if ti.is_missing_gradient(c):
+                missing = (*missing, (i, None))
+            elif isinstance(c, ti.DTensor):
                 actual = ti.dtensor_spec(c)
                 if actual.placements != spec.placements and actual.mesh == spec.mesh:
                     key = (*(key or ()), (i, tuple(actual.placements)))
         if key is None:
             return self.backward_fn(saved_for_backward, cotangents)
+        # traced again anyway: the zeros standing in for gradients autograd did not give are traced as zeros, so
+        # what the backward computes from them alone is left out, as eager leaves it (``propagate_gradient_specs``)
+        key = (*key, *missing)
         if key not in self.variants:
             self.variants[key] = self._compile(key)
         variant = self.variants[key]
@@ -623,12 +664,15 @@ class BackwardForCotangentPlacements:
 
     def _compile(self, key: tuple) -> tuple | None:
         by_position = {i: (name, spec) for i, name, spec in self.traced}
-        specs = {}
+        specs, zeros = {}, set()
         for i, placements in key:
             name, spec = by_position[i]
-            specs[name] = ti.make_spec(spec.mesh, placements, spec.tensor_meta)
+            if placements is None:  # a zero standing in for a gradient autograd did not give
+                zeros.add(name)
+            else:
+                specs[name] = ti.make_spec(spec.mesh, placements, spec.tensor_meta)
         try:
-            joint = joint_for_cotangent_specs(self.joint, specs)
+            joint = joint_for_cotangent_specs(self.joint, specs, frozenset(zeros))
             with keeping_forward_prims_as_ran(self.kept_forward):
                 forward, backward = ti.compile_joint_trace(
                     joint, self._compile_data, self._compile_stats, self._cache_info
@@ -642,7 +686,7 @@ class BackwardForCotangentPlacements:
             backward_fn = backward.python_callable()
         except Exception as e:
             traced = ", ".join(_readable_placements(spec.placements) for _, _, spec in self.traced)
-            actual = ", ".join(_readable_placements(p) for _, p in key)
+            actual = ", ".join(_readable_placements(p) for _, p in key if p is not None)
             warnings.warn(
                 f"the backward was traced for DTensor cotangents placed {traced}; autograd gave {actual}, and "
                 f"tracing the backward for them failed ({type(e).__name__}: {e}): they are redistributed to the "

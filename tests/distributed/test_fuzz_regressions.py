@@ -1394,3 +1394,61 @@ def test_eager_dtensors_own_backward_error_names_the_op_and_its_placements():
         )
         assert "view size is not compatible" in str(result.error) and "hint:" in str(result.error)
     run_case(case, compare_eager=error is None)
+
+
+def _linear_after_a_mean_read_as_a_number(x, w2, b3, o4):
+    y = (x * 2.0).flatten(1, 2).mT
+    s1 = y.abs().mean().item()
+    y = F.linear(y, w2, b3)[::2]
+    return F.log_softmax(torch.bmm(y, o4), dim=2), s1
+
+
+def _placed(full: torch.Tensor, mesh, placements: list) -> DTensor:
+    """``full`` placed on the 2x2 mesh: a ``Partial(sum)`` mesh dim holds shares 1/3 and 2/3 of it."""
+    share = 1.0
+    for d, p in enumerate(placements):
+        if p.is_partial():
+            share *= (mesh.get_local_rank(d) + 1) / 3
+    kept = [Replicate() if p.is_partial() else p for p in placements]
+    local = distribute_tensor(full * share, mesh, kept, src_data_rank=None).to_local()
+    return DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride())
+
+
+@pytest.mark.world_size(4)
+def test_a_gradient_autograd_did_not_give_adds_no_term_to_a_backward_traced_again():
+    """Fuzz seed 14347 (4 ranks, a 2x2 mesh, thunderfx): the mean ``.item()`` reads is an output of the first graph
+    that gets no gradient, and the next graph's ``linear`` hands the first graph's backward a cotangent placed
+    ``(S(2), P(sum))`` where it was traced for ``(R, S(0))``, so the backward is traced again. The zeros standing in
+    for the mean's gradient still ran ``abs().mean()``'s backward, and summing that sharded zero into the Partial
+    gradient reduce-scattered it: ``x.grad`` placed ``(S(1), S(0))`` against eager's ``(S(1), P(sum))``. Traced
+    again, what the backward computes from such zeros alone is left out, as eager never runs it."""
+    from thunder.dynamo import thunderfx
+
+    mesh = mesh_2d(2)
+    fulls = [
+        make_full(s, seed=120 + i, dtype=torch.float64) for i, s in enumerate([(5, 4, 4, 6), (4, 16), (4,), (3, 4, 8)])
+    ]
+    placements = [[Replicate(), Shard(0)], [Shard(1), Partial()], [Partial(), Partial()], [Shard(1), Replicate()]]
+    requires_grad = [True, False, True, True]
+    cotangent = make_full((3, 6, 8), seed=130, dtype=torch.float64)
+    references = [f.clone().requires_grad_(rg) for f, rg in zip(fulls, requires_grad)]
+    expected, expected_number = _linear_after_a_mean_read_as_a_number(*references)
+    expected.backward(cotangent)
+
+    def inputs() -> list:
+        return [_placed(f, mesh, p).requires_grad_(rg) for f, p, rg in zip(fulls, placements, requires_grad)]
+
+    compiled, ours, eagers = thunderfx(_linear_after_a_mean_read_as_a_number), inputs(), inputs()
+    out, number = compiled(*ours)
+    eager, _ = _linear_after_a_mean_read_as_a_number(*eagers)
+    torch.testing.assert_close(out.full_tensor(), expected.detach())
+    assert number == pytest.approx(expected_number)
+    assert out.placements == eager.placements
+    for y in (out, eager):
+        y.backward(distribute_tensor(cotangent, mesh, [Replicate() if p.is_partial() else p for p in y.placements]))
+    for i, (mine, theirs, reference) in enumerate(zip(ours, eagers, references)):
+        if reference.grad is None:
+            assert mine.grad is None and theirs.grad is None, f"grad {i}"
+            continue
+        torch.testing.assert_close(mine.grad.full_tensor(), reference.grad, msg=f"grad {i}")
+        assert mine.grad.placements == theirs.grad.placements, f"grad {i}: {mine.grad.placements} vs eager's"

@@ -1353,18 +1353,34 @@ def _zeros_like_output(output: Any) -> Callable[[], Any] | None:
         spec, local = dtensor_spec(output), local_tensor(output)
         shape, stride, dtype, device = tuple(local.shape), tuple(local.stride()), local.dtype, local.device
         placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
-        return lambda: DTensor.from_local(
-            torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_(),
-            spec.mesh,
-            placements,
-            run_check=False,
-            shape=spec.shape,
-            stride=spec.stride,
-        )
+
+        def zeros() -> Any:
+            made = DTensor.from_local(
+                torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_(),
+                spec.mesh,
+                placements,
+                run_check=False,
+                shape=spec.shape,
+                stride=spec.stride,
+            )
+            setattr(made, _NO_GRADIENT_CAME, True)
+            return made
+
+        return zeros
     if isinstance(output, torch.Tensor):
         shape, stride, dtype, device = tuple(output.shape), tuple(output.stride()), output.dtype, output.device
         return lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
     return None
+
+
+#: set on the zeros the bridge makes for an output that got no gradient (``is_missing_gradient``)
+_NO_GRADIENT_CAME = "_thunder_dtensor_no_gradient_came"
+
+
+def is_missing_gradient(cotangent: Any) -> bool:
+    """Whether ``cotangent`` is the zeros the bridge made for an output autograd gave no gradient: eager never runs
+    the backward of that output's ops, so a backward traced again may leave them out (``guards``)."""
+    return getattr(cotangent, _NO_GRADIENT_CAME, False) is True
 
 
 @installer("thunder-fix", "a compiled program none of whose outputs gets a gradient gives its inputs none")

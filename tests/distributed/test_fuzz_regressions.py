@@ -1452,3 +1452,30 @@ def test_a_gradient_autograd_did_not_give_adds_no_term_to_a_backward_traced_agai
             continue
         torch.testing.assert_close(mine.grad.full_tensor(), reference.grad, msg=f"grad {i}")
         assert mine.grad.placements == theirs.grad.placements, f"grad {i}: {mine.grad.placements} vs eager's"
+
+
+def _weight_times_a_concatenation(x, o1, o2):
+    return o2 @ torch.cat([o1, x.expand(3, 3, 2, 12)], dim=1)
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_lowered_op_decomposes_as_eager_does_for_inputs_that_require_grad(lowering):
+    """Fuzz seed 15420 (a 2x2 mesh): torch's ``matmul`` of a 2-D weight that requires grad and a 4-D input folds the
+    input into a matrix, even under no_grad, and otherwise broadcasts a batched matmul; eager's placements follow
+    (``(S(2), S(0))`` here). The lowering traced the forward op on inputs that did not require grad, so its
+    decomposition was the other one: ``(S(3), P(sum))``. The forward is now traced with the inputs' requires_grad.
+    (Eager's backward of it raises: the forward only is compared.)"""
+    mesh = mesh_2d(2)
+    fulls = [make_full((3, 2, 12), seed=140), make_full((3, 2, 2, 12), seed=141), make_full((4, 2), seed=142)]
+    placements = [[Shard(2), Replicate()], [Replicate(), Shard(3)], [Shard(0), Shard(1)]]
+
+    def inputs() -> list:
+        x, o1, o2 = (distribute_tensor(f, mesh, p) for f, p in zip(fulls, placements))
+        return [x, o1, o2.requires_grad_()]
+
+    expected = _weight_times_a_concatenation(*fulls)
+    eager = _weight_times_a_concatenation(*inputs())
+    out = thunder.jit(_weight_times_a_concatenation, dtensor_lowering=lowering)(*inputs())
+    torch.testing.assert_close(out.full_tensor(), expected)
+    assert out.placements == eager.placements, f"{out.placements} vs eager's {eager.placements}"

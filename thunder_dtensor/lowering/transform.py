@@ -275,16 +275,23 @@ class _Lowering:
         runtime_fn = PRIMS[bsym.sym.name].runtime_fn
         flat, tree = ti.torch_tree_flatten((bsym.args, bsym.kwargs))
         infos = self._infos(flat)
+        # which arguments require grad: torch's composite ops read it even under no_grad (a matmul of a 2-D
+        # weight that requires grad and a 4-D input folds the input into a matrix, else it broadcasts a bmm), so
+        # eager's decomposition, and the placements it gives, depend on it (fuzz seed 15420)
+        requiring_grad = tuple(i for i, x in enumerate(flat) if _is_tensor_proxy(x) and x.requires_grad)
 
         def forward(*locals_: torch.Tensor) -> tuple:
             values = values_of(flat, infos, locals_)
+            for i in requiring_grad:
+                values[i] = values[i].requires_grad_()
             args, kwargs = ti.torch_tree_unflatten(values, tree)
             with torch.no_grad():
                 outs = cast(Callable, runtime_fn)(*args, **kwargs)  # (a lowered prim has one)
             locals_out, specs = unwrapped_outputs(outs)
             return locals_out, specs, len(locals_out)
 
-        traced = trace_op(graph_key("fwd", bsym.sym.name, flat, tree, infos), forward, [i for _, i in infos])
+        key = graph_key("fwd", bsym.sym.name, flat, tree, infos, requiring_grad)
+        traced = trace_op(key, forward, [i for _, i in infos])
         outputs = [o for o in ti.tree_flatten(bsym.output)[0] if _is_tensor_proxy(o)]
         _check_outputs(outputs, traced.specs[: traced.n_forward], bsym.sym.name)
         proxies, _, _ = self._inputs(flat)

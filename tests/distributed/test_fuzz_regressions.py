@@ -1479,3 +1479,22 @@ def test_a_lowered_op_decomposes_as_eager_does_for_inputs_that_require_grad(lowe
     out = thunder.jit(_weight_times_a_concatenation, dtensor_lowering=lowering)(*inputs())
     torch.testing.assert_close(out.full_tensor(), expected)
     assert out.placements == eager.placements, f"{out.placements} vs eager's {eager.placements}"
+
+
+def _norms_around_a_maximum(x, g1, b2, w3, b4):
+    y = F.rms_norm(x, (7,), eps=1e-6).amax(dim=(0, 1), keepdim=False)
+    y = F.layer_norm(torch.cat(y.chunk(4, dim=0)[::-1], dim=0), (7,), g1, b2)
+    return F.linear(y, w3, b4).split(6, dim=-1)[1]
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_maximum_over_a_dim_some_ranks_hold_none_of(lowering):
+    """Fuzz seed 15429 (a 2x2 mesh): ``x``'s dim 1 has 2 elements over 4 shards, so two ranks hold none of it. Eager
+    DTensor's ``amax`` over it raises ``IndexError`` on those ranks only, while the others wait in a collective: the
+    fuzzer's run hung (its generator no longer draws such a maximum). thunder runs the program on every rank with
+    plain torch's values and gradients (eager cannot be compared)."""
+    inputs = [make_full(s, seed=150 + i) for i, s in enumerate([(3, 2, 7), (7,), (7,), (12, 7), (12,)])]
+    placements = [[Shard(1), Shard(1)], [Shard(0), Shard(0)], [Shard(0), Shard(0)], [Replicate(), Shard(1)]]
+    case = DTensorCase(_norms_around_a_maximum, inputs, [*placements, [Shard(0), Replicate()]], mesh=mesh_2d(2))
+    run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})

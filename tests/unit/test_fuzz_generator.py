@@ -1,5 +1,7 @@
 """The program fuzzer's generator (``thunder_dtensor/testing/fuzz.py``): what it draws, without running it."""
 
+import re
+
 from thunder_dtensor.testing.fuzz import generate_program
 
 
@@ -11,3 +13,23 @@ def test_a_local_roundtrip_after_a_flatten_of_an_uneven_dim_passes_the_shape():
     program = generate_program(14320, 4, (2, 2))
     assert "from_local" in program.source()
     assert "shape=y.shape, stride=y.stride()" in program.source()
+
+
+def test_no_maximum_over_a_dim_with_fewer_elements_than_ranks():
+    """Fuzz seed 15429 (4 ranks, a 2x2 mesh): ``amax`` over a dim of 2 elements sharded over 4 ranks. Two ranks hold
+    none of it, and eager DTensor's ``amax`` raises on those only while the others wait in a collective: the run
+    hung. The generator draws a sum there instead (other seeds' programs are as they were)."""
+    program = generate_program(15429, 4, (2, 2))
+    assert "amax" not in program.source() and "y.sum(dim=(0, 1)" in program.source()
+    drawn = 0
+    for seed in range(15000, 15200):
+        program = generate_program(seed, 4, (2, 2))
+        shape = program.inputs[0].shape
+        for step in program.steps:
+            match = re.search(r"y\.amax\(dim=\(?([-\d, ]+)\)?, keepdim", step.line)
+            if match:
+                drawn += 1
+                dims = [int(d) % len(shape) for d in match.group(1).split(",") if d.strip()]
+                assert all(shape[d] >= 4 for d in dims), (seed, step.line, shape)
+            shape = step.shape or shape
+    assert drawn > 0  # the maximum is still drawn where it is safe

@@ -207,7 +207,8 @@ class _Lowering:
         for o in bsym.flat_proxy_outs:
             if isinstance(o, DTensorProxy):
                 self.materialized.add(o.name)
-                self.eager_results.add(o.name)
+                if record is not None:  # a dtensor prim run as the eager op (not a cotangent's spec match, which
+                    self.eager_results.add(o.name)  # the backward was traced for as a contiguous value)
         if record is not None and record.renames_arguments:
             for before, after in zip(bsym.flat_proxy_args, bsym.flat_proxy_outs):
                 if not (isinstance(before, DTensorProxy) and isinstance(after, DTensorProxy)):

@@ -1498,3 +1498,29 @@ def test_a_maximum_over_a_dim_some_ranks_hold_none_of(lowering):
     placements = [[Shard(1), Shard(1)], [Shard(0), Shard(0)], [Shard(0), Shard(0)], [Replicate(), Shard(1)]]
     case = DTensorCase(_norms_around_a_maximum, inputs, [*placements, [Shard(0), Replicate()]], mesh=mesh_2d(2))
     run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})
+
+
+def _counted_lookup_then_linear(x, i1, w2, w3, b4):
+    y = F.embedding(i1, w2, padding_idx=-2, scale_grad_by_freq=True)
+    return F.linear(y, w3, b4).view(-1)[0:13]
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_a_partial_gradient_of_a_vocab_parallel_lookup_goes_back_replicated(lowering):
+    """Fuzz seed 16465 (2 ranks; 15446 and 14551 on a 2x2 mesh are the same): a frequency-scaled lookup of sharded
+    ids in a vocab-sharded table is made on replicated ids (a ``MaskPartial`` result) and redistributed to eager's
+    placements. The ``linear`` after it gives that redistribution a ``Partial(sum)`` gradient, and its backward
+    tried to make it the input's ``MaskPartial(sum)``, which no redistribution does: a ``DTensorOpError`` where
+    eager runs. A Partial input's gradient is now Replicate where the gradient is not that same Partial."""
+    inputs = [
+        make_full((7, 7), seed=160),
+        make_full((7,), seed=161, dtype=torch.int64, int_high=8),
+        make_full((8, 7), seed=162),
+        make_full((2, 7), seed=163),
+        make_full((2,), seed=164),
+    ]
+    placements = [[Partial()], [Shard(0)], [Shard(0)], [Shard(0)], [Shard(0)]]
+    case = DTensorCase(_counted_lookup_then_linear, inputs, placements, requires_grad=[True, False, True, True, True])
+    # the vocab-sharded table's gradient stays Shard(0) by design (eager's is a pending sum of it)
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering}, own_grad_placements={2: [Shard(0)]})

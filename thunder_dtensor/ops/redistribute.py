@@ -39,14 +39,14 @@ dtensor_redistribute_prim = define_dtensor_prim("redistribute", _redistribute)
 
 def _redistribute_backward(g: Any, placements: tuple, op_dtype: Any = None, out_dtype: Any = None) -> Any:
     """Eager's ``Redistribute`` backward: ``g`` (cast to ``op_dtype`` for the collective) back to the input's
-    ``placements``, except that a Partial input's gradient is Replicate where ``g`` is not Partial itself (a
-    replicated gradient is not made partial again), then cast to ``out_dtype``."""
+    ``placements``, except that a Partial input's gradient is Replicate where ``g`` is not that same Partial (a
+    replicated gradient is not made partial again, and no redistribution makes one Partial another: a
+    ``Partial(sum)`` gradient of a vocab-parallel lookup's ``MaskPartial`` result, fuzz seed 16465), then cast
+    to ``out_dtype``."""
     op_dtype, out_dtype = _torch_dtype(op_dtype), _torch_dtype(out_dtype)
     if op_dtype is not None and g.dtype != op_dtype:
         g = g.to(op_dtype)
-    target = tuple(
-        ti.Replicate() if p.is_partial() and not q.is_partial() else p for q, p in zip(g.placements, placements)
-    )
+    target = tuple(ti.Replicate() if p.is_partial() and q != p else p for q, p in zip(g.placements, placements))
     out = g.redistribute(g.device_mesh, target)
     return out if out_dtype is None or out.dtype == out_dtype else out.to(out_dtype)
 

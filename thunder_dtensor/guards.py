@@ -360,11 +360,8 @@ def _term_beside_a_zero_cotangent(bsym: ti.BoundSymbol, zeros: set[str]) -> DTen
     a, b = bsym.args
     # (a zero of the other term's shape and dtype: the sum has that shape, nothing broadcasts)
     for zero, term in ((a, b), (b, a)):
-        if is_zero_cotangent_of(zero, like=term):
+        if is_zero_cotangent_of(zero, like=term, known=zeros):
             return term
-        if isinstance(zero, DTensorProxy) and zero.name in zeros and isinstance(term, DTensorProxy):
-            if (zero.shape, zero.dtype) == (term.shape, term.dtype):
-                return term
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from thunder_dtensor import _integration as ti
@@ -154,12 +155,13 @@ def proxify_dtensor(x: Any, name: str | None = None, history: tuple | None = Non
     return proxy_for_value(x, requires_grad=x.requires_grad, name=name, history=history)
 
 
-def is_zero_cotangent_of(x: Any, *, like: Any) -> bool:
-    """``x`` is a zero cotangent autodiff made (ops/factories.py) of ``like``'s shape and dtype: summed with
-    ``like`` it adds nothing, and eager, which has no such term, gives the sum ``like``'s placements."""
+def is_zero_cotangent_of(x: Any, *, like: Any, known: Collection[str] = ()) -> bool:
+    """``x`` is a zero cotangent autodiff made (ops/factories.py), or one of the values ``known`` (by name) to be
+    zero, of ``like``'s shape and dtype: summed with ``like`` it adds nothing, and eager, which has no such term,
+    gives the sum ``like``'s placements."""
     return (
         isinstance(x, DTensorProxy)
-        and x.is_zero_cotangent
+        and (x.is_zero_cotangent or x.name in known)
         and isinstance(like, DTensorProxy)
         and (x.shape, x.dtype) == (like.shape, like.dtype)
     )

@@ -241,3 +241,23 @@ def test_the_cotangent_handed_in_holds_the_full_value_it_was_made_from():
     torch.testing.assert_close(cotangent_for(out, full).full_tensor(), full, rtol=0, atol=0)
     sharded = distribute_tensor(make_full((6, 8), seed=3), mesh, [Shard(0), Shard(1)])  # a layout torch makes right
     assert cotangent_for(sharded, make_full((6, 8), seed=4)).placements == sharded.placements
+
+
+@pytest.mark.world_size(4)
+def test_a_cotangent_whose_strided_layout_torch_cannot_gather_is_replicated():
+    """Fuzz seed 15430 (a 2x2 mesh): the output ``view(48)`` of a ``[6, 8]`` value placed ``(S(1), S(0))`` is placed
+    ``(_StridedShard(0, sf=6), S(0))``. torch distributes a full tensor to that layout, but its ``full_tensor()``
+    fails torch's unpadding check on every rank, and the fuzzer's cotangent check raised that as the backward's
+    error, for eager and thunder alike. Such a cotangent is now the replicated one."""
+    from thunder_dtensor.testing import make_full, mesh_2d
+
+    cotangent_for = fuzz_module.run_globals()["cotangent_for"]
+    mesh = mesh_2d(2)
+    out = distribute_tensor(make_full((6, 8), seed=1), mesh, [Shard(1), Shard(0)]).view(48)
+    assert [type(p).__name__ for p in out.placements] == ["_StridedShard", "Shard"], out.placements
+    full = make_full((48,), seed=2)
+    with pytest.raises(RuntimeError):  # torch's own (if fixed, this check can go)
+        distribute_tensor(full, mesh, out.placements, src_data_rank=None).full_tensor()
+    cotangent = cotangent_for(out, full)
+    assert all(p.is_replicate() for p in cotangent.placements)
+    torch.testing.assert_close(cotangent.full_tensor(), full, rtol=0, atol=0)

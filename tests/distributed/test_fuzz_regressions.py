@@ -1524,3 +1524,35 @@ def test_a_partial_gradient_of_a_vocab_parallel_lookup_goes_back_replicated(lowe
     case = DTensorCase(_counted_lookup_then_linear, inputs, placements, requires_grad=[True, False, True, True, True])
     # the vocab-sharded table's gradient stays Shard(0) by design (eager's is a pending sum of it)
     run_case(case, jit_kwargs={"dtensor_lowering": lowering}, own_grad_placements={2: [Shard(0)]})
+
+
+def _attention_with_a_mask(x, mask):
+    return F.scaled_dot_product_attention(x, x, x, attn_mask=mask, scale=0.25)
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_attention_with_a_mask_sharded_otherwise_than_q_is_compared_by_values(lowering):
+    """Fuzz seed 16372: attention on replicated q, k, v with a mask sharded over its size-1 head dim. thunder gathers
+    the mask and attends on Replicate (the rule for mixed layouts, docs/architecture.md); eager derives a strategy of
+    its own (the mask's gradient Replicate, ours Shard(1) as the mask is). The fuzzer took the layout for a local one
+    because it looked at q, k and v only, and reported the placements; it now asks the rule's own predicate, mask
+    included, and compares values only there, as for every other mixed layout."""
+    from thunder_dtensor.testing.fuzz import _AttentionLayouts
+
+    x_full = make_full((2, 2, 6, 4), seed=170)
+    for mask_shape, mask_placements, derived in (
+        ((2, 1, 6, 6), [Shard(1)], True),
+        ((2, 1, 6, 6), [Shard(0)], True),
+        ((6, 6), [Replicate()], False),
+    ):
+        fulls = [x_full, make_full(mask_shape, seed=171)]
+        case = DTensorCase(_attention_with_a_mask, fulls, [[Replicate()], mask_placements])
+        run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})
+        layouts = _AttentionLayouts()
+        x, mask = (
+            distribute_tensor(f, mesh_1d(), p).requires_grad_() for f, p in zip(fulls, [[Replicate()], mask_placements])
+        )
+        with layouts:  # (eager's run: with inputs that do not require grad, its kernel choice raises for S(1))
+            _attention_with_a_mask(x, mask)
+        assert layouts.derived == derived, mask_placements

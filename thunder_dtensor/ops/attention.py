@@ -104,8 +104,9 @@ def _shards_only_batch_or_heads(t: DTensorProxy) -> bool:
     return all(isinstance(p, ti.Replicate) or (isinstance(p, ti.Shard) and p.dim < t.ndim - 2) for p in t.placements)
 
 
-def attends_on_local_shards(q: Any, k: Any, v: Any) -> bool:
-    """Whether q, k and v (DTensors or their proxies) share placements that shard only batch or head dims.
+def attends_on_local_shards(q: Any, k: Any, v: Any, attn_mask: Any = None) -> bool:
+    """Whether q, k and v (DTensors or their proxies) share placements that shard only batch or head dims, and
+    ``attn_mask`` (if any) is either replicated and broadcast over them or sharded as q is.
 
     There (the layout tensor-parallel attention has) the output keeps those placements, as in eager; any other
     layout is gathered first, and eager's derived placements may differ (see the module docstring). With fewer
@@ -119,6 +120,7 @@ def attends_on_local_shards(q: Any, k: Any, v: Any) -> bool:
         and q.ndim == k.ndim == v.ndim
         and _shards_only_batch_or_heads(q)
         and all(_head_groups_stay_local(q, t) for t in (k, v))
+        and _mask_is_local(attn_mask, q)
     )
 
 
@@ -139,10 +141,10 @@ def _head_groups_stay_local(q: Any, kv: Any) -> bool:
     return -(-q.shape[-3] // ranks) == group * -(-kv.shape[-3] // ranks)
 
 
-def _mask_is_local(mask: Any, q: DTensorProxy) -> bool:
+def _mask_is_local(mask: Any, q: Any) -> bool:
     if mask is None:
         return True
-    if not isinstance(mask, DTensorProxy):
+    if not isinstance(mask, (DTensorProxy, ti.DTensor)):
         return False
     # a replicated mask broadcast over batch and heads is the same on every shard
     if all(isinstance(p, ti.Replicate) for p in mask.placements):
@@ -161,7 +163,7 @@ def dtensor_scaled_dot_product_attention(
         # replicated k / v next to a batch- or head-sharded q: take their matching slice (no communication),
         # as eager DTensor does, and attend on the local shards
         k, v = (_slice_like(t, q) for t in (k, v))
-    if attends_on_local_shards(q, k, v) and _mask_is_local(attn_mask, q):
+    if attends_on_local_shards(q, k, v, attn_mask):
         return dtensor_local_sdpa_prim(
             q,
             k,

@@ -114,15 +114,22 @@ def cotangent_for(out, full):
 
     A ``_StridedShard`` placement is kept only where the DTensor made holds ``full``: torch distributes ``full`` to
     some of them (``(_StridedShard(1, sf=6),) * 2`` on a 2x2 mesh, fuzz seed 13002) as a DTensor whose value is
-    another (its spec has no shard order), and the cotangent is then the replicated one."""
+    another (its spec has no shard order), or one whose ``full_tensor()`` raises (a 48-element output placed
+    ``(_StridedShard(0, sf=6), S(0))``, seed 15430: every rank fails torch's unpadding check), and the cotangent is
+    then the replicated one."""
     placements = [Replicate() if p.is_partial() else p for p in out.placements]
     replicated = distribute_tensor(full, out.device_mesh, [Replicate()] * len(placements), src_data_rank=None)
     try:
         made = distribute_tensor(full, out.device_mesh, placements, src_data_rank=None)
     except Exception:  # placements distribute_tensor cannot make directly (_StridedShard): redistribute to them
         made = replicated.redistribute(out.device_mesh, placements)
-    strided = any(type(p).__name__ == "_StridedShard" for p in placements)
-    return replicated if strided and not torch.equal(made.full_tensor(), full) else made
+    if not any(type(p).__name__ == "_StridedShard" for p in placements):
+        return made
+    try:
+        holds_full = torch.equal(made.full_tensor(), full)
+    except RuntimeError:
+        holds_full = False
+    return made if holds_full else replicated
 '''
 
 _IMPORTS_SOURCE = """\
@@ -1620,7 +1627,8 @@ class _Reference:
 
 
 class _AttentionLayouts(torch.overrides.TorchFunctionMode):
-    """Notes whether eager DTensor runs attention on q, k, v that are not equally batch/head-sharded.
+    """Notes whether eager DTensor runs attention on q, k, v that are not equally batch/head-sharded, or with a mask
+    neither replicated over them nor sharded as q is.
 
     There eager's output placements come from a strategy it derives per call (on CPU from the fused kernel's
     decomposition, in a way that depends on the dispatch context; on CUDA from other kernels' rules), while
@@ -1636,7 +1644,9 @@ class _AttentionLayouts(torch.overrides.TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             from thunder_dtensor.ops.attention import attends_on_local_shards
 
-            self.derived |= not attends_on_local_shards(*args[:3])
+            mask = (kwargs or {}).get("attn_mask", args[3] if len(args) > 3 else None)
+            q, k, v = args[:3]
+            self.derived |= not attends_on_local_shards(q, k, v, mask)
         return func(*args, **(kwargs or {}))
 
 

@@ -244,12 +244,15 @@ def test_the_cotangent_handed_in_holds_the_full_value_it_was_made_from():
 
 
 @pytest.mark.world_size(4)
-def test_a_cotangent_whose_strided_layout_torch_cannot_gather_is_replicated():
-    """Fuzz seed 15430 (a 2x2 mesh): the output ``view(48)`` of a ``[6, 8]`` value placed ``(S(1), S(0))`` is placed
-    ``(_StridedShard(0, sf=6), S(0))``. torch distributes a full tensor to that layout, but its ``full_tensor()``
-    fails torch's unpadding check on every rank, and the fuzzer's cotangent check raised that as the backward's
-    error, for eager and thunder alike. Such a cotangent is now the replicated one."""
-    from thunder_dtensor.testing import make_full, mesh_2d
+def test_a_strided_cotangent_has_the_outputs_own_spec():
+    """Two seeds whose output is placed ``_StridedShard``. torch distributes a full tensor to those placements as a
+    DTensor whose spec has no shard order, where the output's has one. Fuzz seed 15430 (a 2x2 mesh, the output
+    ``view(48)`` of a ``[6, 8]`` value placed ``(S(1), S(0))``): that DTensor's ``full_tensor()`` fails torch's
+    unpadding check on every rank, and the fuzzer's check raised it as the backward's error, for eager and thunder
+    alike. Fuzz seed 17148 (1-D, ``view(64)`` of a ``[4, 16]`` value placed ``S(1)``): eager compares specs and
+    redistributed the cotangent to Replicate, so its gradient was Replicate where the output's own ``ones_like`` gives
+    ``Shard(1)`` (thunder's). The cotangent now carries the output's own spec where that holds the full value."""
+    from thunder_dtensor.testing import make_full, mesh_1d, mesh_2d
 
     cotangent_for = fuzz_module.run_globals()["cotangent_for"]
     mesh = mesh_2d(2)
@@ -259,5 +262,14 @@ def test_a_cotangent_whose_strided_layout_torch_cannot_gather_is_replicated():
     with pytest.raises(RuntimeError):  # torch's own (if fixed, this check can go)
         distribute_tensor(full, mesh, out.placements, src_data_rank=None).full_tensor()
     cotangent = cotangent_for(out, full)
-    assert all(p.is_replicate() for p in cotangent.placements)
+    assert cotangent._spec == out._spec
     torch.testing.assert_close(cotangent.full_tensor(), full, rtol=0, atol=0)
+
+    x = distribute_tensor(make_full((4, 16), seed=3), mesh_1d(), [Shard(1)]).requires_grad_()
+    out = torch.sigmoid((-x).view(64))
+    full = make_full((64,), seed=4)
+    cotangent = cotangent_for(out, full)
+    assert cotangent._spec == out._spec and distribute_tensor(full, mesh_1d(), out.placements)._spec != out._spec
+    torch.testing.assert_close(cotangent.full_tensor(), full, rtol=0, atol=0)
+    out.backward(cotangent)
+    assert x.grad.placements == (Shard(1),)

@@ -1556,3 +1556,37 @@ def test_attention_with_a_mask_sharded_otherwise_than_q_is_compared_by_values(lo
         with layouts:  # (eager's run: with inputs that do not require grad, its kernel choice raises for S(1))
             _attention_with_a_mask(x, mask)
         assert layouts.derived == derived, mask_placements
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
+def test_thunderfx_attention_of_a_replicated_q_to_sequence_sharded_keys(is_causal):
+    """Fuzz seed 17115: under thunderfx, attention of a replicated q (``o * q``) to keys sharded along the sequence
+    (``S(2)``) and replicated values. DTensor's sharding rule the package gives the fused CPU kernel (only while
+    dynamo traces) offered every layout thunder attends in, sequence shards included, and DTensor chose the free one:
+    q and v sliced to ``S(2)``, the output ``S(2)``. thunder's rule gathers such a call (``R``), so the splitter
+    handed the node to eager, which attended each rank's own keys only: wrong values, no error. The rule now offers
+    the layout thunder's plan takes (here Replicate): the whole graph stays thunder's, with plain torch's values."""
+    from thunder.dynamo import thunderfx
+
+    def fn(q, o, k, v):
+        return F.scaled_dot_product_attention(o * q, k, v, is_causal=is_causal)
+
+    mesh = mesh_1d()
+    fulls = [
+        make_full(shape, seed=180 + i) for i, shape in enumerate([(5, 4, 2, 2), (4, 2, 2), (5, 4, 2, 2), (5, 4, 2, 2)])
+    ]
+    placements = [[Replicate()], [Replicate()], [Shard(2)], [Replicate()]]
+    inputs = [distribute_tensor(f, mesh, p).requires_grad_() for f, p in zip(fulls, placements)]
+    compiled = thunderfx(fn)
+    out = compiled(*inputs)
+    references = [f.clone().requires_grad_() for f in fulls]
+    expected = fn(*references)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    (info,) = compiled._backend.subgraph_infos
+    assert [name for name, _ in info.split_graph_module.named_children()] == ["thunder_0"], info.split_reasons
+    cotangent = make_full(tuple(expected.shape), seed=189)
+    expected.backward(cotangent)
+    out.backward(distribute_tensor(cotangent, mesh, out.placements))
+    for x, reference in zip(inputs, references):
+        torch.testing.assert_close(x.grad.full_tensor(), reference.grad)

@@ -12,13 +12,21 @@ with the same values.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.dispatch import register_function_for_dtensor
 from thunder_dtensor.ops.no_rule import replicated_fallback_enabled, warn_replicated_fallback
 from thunder_dtensor.ops.redistribute import dtensor_redistribute
-from thunder_dtensor.ops.ring_attention import refuse_ring, ring_sdpa, sequence_mesh_dims, why_not_ring
+from thunder_dtensor.ops.ring_attention import (
+    AttentionLayout,
+    RingRefusal,
+    refuse_ring,
+    ring_sdpa,
+    sequence_mesh_dims,
+    why_not_ring,
+)
 from thunder_dtensor.primitive import define_dtensor_prim, define_dtensor_symbol
 from thunder_dtensor.proxy import DTensorProxy
 from thunder_dtensor.sdpa_backends import check_sdpa_call
@@ -115,7 +123,7 @@ def attends_on_local_shards(q: Any, k: Any, v: Any, attn_mask: Any = None) -> bo
     """
     tensors = (q, k, v)
     return (
-        all(isinstance(t, (DTensorProxy, ti.DTensor)) for t in tensors)
+        all(_is_distributed(t) for t in tensors)
         and q.placements == k.placements == v.placements
         and q.ndim == k.ndim == v.ndim
         and _shards_only_batch_or_heads(q)
@@ -144,12 +152,51 @@ def _head_groups_stay_local(q: Any, kv: Any) -> bool:
 def _mask_is_local(mask: Any, q: Any) -> bool:
     if mask is None:
         return True
-    if not isinstance(mask, (DTensorProxy, ti.DTensor)):
+    if not _is_distributed(mask):
         return False
     # a replicated mask broadcast over batch and heads is the same on every shard
     if all(isinstance(p, ti.Replicate) for p in mask.placements):
         return mask.ndim <= 2 or all(s == 1 for s in mask.shape[:-2])
     return mask.placements == q.placements and tuple(mask.shape) == tuple(q.shape[:-1]) + (mask.shape[-1],)
+
+
+def _is_distributed(t: Any) -> bool:
+    return isinstance(t, DTensorProxy | ti.DTensor | AttentionLayout)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """How :func:`dtensor_scaled_dot_product_attention` runs a call: ``local`` (the fused kernel on the local
+    batch / head shards), ``ring`` (ring attention over the sequence shards), ``gather`` (on Replicate) or ``refuse``
+    (a sequence-sharded call that ring attention cannot take and that may not be gathered). ``slice_kv``: replicated
+    k and v are first sliced like q (no communication)."""
+
+    route: str
+    slice_kv: bool = False
+    head_tail: bool = False
+    refusal: RingRefusal | None = None
+
+
+def plan_attention(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: Any, is_causal: Any) -> AttentionPlan:
+    """The plan for q, k, v (proxies, DTensors or :class:`AttentionLayout` s). DTensor's sharding rule for the fused
+    kernel under thunderfx asks the same plan, so dynamo's fake run places the output as the program will."""
+    if not all(_is_distributed(t) for t in (q, k, v)):
+        return AttentionPlan("gather")
+    sliced_k, sliced_v = (_sliced_layout(t, q) for t in (k, v))
+    if _shards_only_batch_or_heads(q) and _mask_is_local(attn_mask, q):
+        if attends_on_local_shards(q, sliced_k, sliced_v, attn_mask):
+            return AttentionPlan("local", slice_kv=True)
+        return AttentionPlan("gather")
+    if not sequence_mesh_dims(q):
+        return AttentionPlan("gather")
+    head_tail = bool(is_causal) and ti.head_tail_layout()
+    refusal = why_not_ring(q, sliced_k, sliced_v, attn_mask, dropout_p, is_causal, head_tail)
+    if refusal is None:
+        return AttentionPlan("ring", slice_kv=True, head_tail=head_tail)
+    # context parallelism asked for: a gather would defeat it; or the replicated fallback is off
+    if not refusal.may_gather or ti.context_parallel_dispatch_enabled() or not replicated_fallback_enabled():
+        return AttentionPlan("refuse", slice_kv=True, refusal=refusal)
+    return AttentionPlan("gather", refusal=refusal)
 
 
 @define_dtensor_symbol
@@ -158,12 +205,11 @@ def dtensor_scaled_dot_product_attention(
 ):
     # inside sdpa_kernel(...): refused at trace time if none of the chosen backends can run it (as for plain SDPA)
     check_sdpa_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    dtensors = all(isinstance(t, DTensorProxy) for t in (q, k, v))
-    if dtensors and _shards_only_batch_or_heads(q) and _mask_is_local(attn_mask, q):
-        # replicated k / v next to a batch- or head-sharded q: take their matching slice (no communication),
-        # as eager DTensor does, and attend on the local shards
+    plan = plan_attention(q, k, v, attn_mask, dropout_p, is_causal)
+    if plan.slice_kv:
+        # replicated k / v next to a batch-, head- or sequence-sharded q: their matching slice (no communication)
         k, v = (_slice_like(t, q) for t in (k, v))
-    if attends_on_local_shards(q, k, v, attn_mask):
+    if plan.route == "local":
         return dtensor_local_sdpa_prim(
             q,
             k,
@@ -175,17 +221,13 @@ def dtensor_scaled_dot_product_attention(
             enable_gqa=enable_gqa,
             rng_state=_rng_state_if_random(q, dropout_p),
         )
-    if dtensors and sequence_mesh_dims(q):
-        k, v = (_slice_like(t, q) for t in (k, v))  # replicated k / v next to a sequence-sharded q: its slice
-        head_tail = bool(is_causal) and ti.head_tail_layout()
-        refusal = why_not_ring(q, k, v, attn_mask, dropout_p, is_causal, head_tail)
-        if refusal is None:
-            return ring_sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, head_tail=head_tail)
-        # context parallelism asked for: a gather would defeat it; or the replicated fallback is off
-        if not refusal.may_gather or ti.context_parallel_dispatch_enabled() or not replicated_fallback_enabled():
-            raise refuse_ring(q, k, v, refusal)
+    if plan.route == "ring":
+        return ring_sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, head_tail=plan.head_tail)
+    if plan.refusal is not None:
+        if plan.route == "refuse":
+            raise refuse_ring(q, k, v, plan.refusal)
         warn_replicated_fallback(
-            "scaled_dot_product_attention", (q, k, v), {}, f"ring attention cannot take {refusal.why}"
+            "scaled_dot_product_attention", (q, k, v), {}, f"ring attention cannot take {plan.refusal.why}"
         )
     # any other layout (a sharded head_dim, mixed placements): gather to Replicate, attend locally
     replicated = [_replicate(t) for t in (q, k, v)]
@@ -209,13 +251,24 @@ def _rng_state_if_random(q: DTensorProxy, dropout_p: Any) -> Any:
     return dtensor_rng_state_prim(q) if dropout_p != 0.0 else None
 
 
+def _slices_like(t: Any, q: Any) -> bool:
+    """Whether ``t`` is Replicate and ``q`` shards only dims ``t`` has at the same size (``t`` then takes ``q``'s
+    placements by a local slice)."""
+    if not _is_distributed(t) or t.placements == q.placements or t.ndim != q.ndim:
+        return False
+    if any(not isinstance(p, ti.Replicate) for p in t.placements):
+        return False
+    return not any(isinstance(p, ti.Shard) and t.shape[p.dim] != q.shape[p.dim] for p in q.placements)
+
+
+def _sliced_layout(t: Any, q: Any) -> Any:
+    """``t`` as the plan sees it after :func:`_slice_like`."""
+    return AttentionLayout(tuple(q.placements), tuple(t.shape), t.device_mesh) if _slices_like(t, q) else t
+
+
 def _slice_like(t: DTensorProxy, q: DTensorProxy) -> DTensorProxy:
     """A Replicate ``t`` with ``q``'s placements, where ``q`` shards dims ``t`` has at the same size."""
-    if t.placements == q.placements or t.ndim != q.ndim or any(not isinstance(p, ti.Replicate) for p in t.placements):
-        return t
-    if any(isinstance(p, ti.Shard) and t.shape[p.dim] != q.shape[p.dim] for p in q.placements):
-        return t
-    return dtensor_redistribute(t, None, list(q.placements))
+    return dtensor_redistribute(t, None, list(q.placements)) if _slices_like(t, q) else t
 
 
 def _replicate(t: Any) -> Any:
@@ -230,17 +283,25 @@ register_function_for_dtensor(F.scaled_dot_product_attention, dtensor_scaled_dot
 def cpu_fused_attention_shardings(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     """DTensor's sharding choices for CPU's fused attention kernel, which DTensor has no rule for.
 
-    What :func:`dtensor_scaled_dot_product_attention` does, said to DTensor: batch- or head-sharded q, k, v (and
-    output and logsumexp) attend on local shards, sequence-sharded ones by ring attention (the output keeps q's
-    sequence shards); anything else is replicated first. Used only while dynamo
-    traces a thunderfx program (``_integration.scope_dtensor_entries_to_thunderfx_calls``), whose fake run of the
-    attention needs an output spec; the program thunder builds runs the rule above.
+    What :func:`dtensor_scaled_dot_product_attention` does with these inputs (:func:`plan_attention`), said to
+    DTensor: where it attends on local batch / head shards or by ring attention, q's shards (the output keeps them);
+    anything else is replicated first. Used only while dynamo traces a thunderfx program
+    (``_integration.scope_dtensor_entries_to_thunderfx_calls``), whose fake run of the attention needs an output
+    spec; the program thunder builds runs the rule above. The choices follow the plan, not the cheapest layout: a
+    sequence shard offered for q, k and v that ring attention would not take let DTensor choose it (free for a
+    replicated q next to a sequence-sharded k), and a node split off for eager then attended each rank's keys only
+    (fuzz seed 17115: wrong values under thunderfx).
     """
     replicate = ti.Replicate()
     choices = [([replicate, replicate], [replicate, replicate, replicate, None, None])]
-    if attn_mask is None and dropout_p == 0.0:
-        for dim in (0, 1, 2):  # batch, heads, and the sequence (ring attention: q's sequence shards stay)
-            shard = ti.Shard(dim)
+    if attn_mask is not None or dropout_p != 0.0:
+        return choices
+    q, k, v = (AttentionLayout.of_spec(spec) for spec in (query, key, value))
+    plan = plan_attention(q, k, v, None, 0.0, is_causal)
+    if plan.route == "refuse" and plan.refusal is not None:
+        raise refuse_ring(q, k, v, plan.refusal)
+    if plan.route in ("local", "ring"):
+        for shard in dict.fromkeys(p for p in q.placements if isinstance(p, ti.Shard)):
             choices.append(([shard, shard], [shard, shard, shard, None, None]))
     return choices
 

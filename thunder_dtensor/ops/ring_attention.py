@@ -265,6 +265,28 @@ dtensor_ring_sdpa_prim = define_dtensor_prim("ring_sdpa", _ring_sdpa)
 
 
 # --- when the ring applies ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """What the attention rules read of q, k or v: a DTensor's placements, global shape and mesh, taken from DTensor's
+    own spec of it (DTensor's sharding rule for the fused kernel plans with these, as thunder's rule does with
+    proxies)."""
+
+    placements: tuple
+    shape: tuple
+    device_mesh: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @classmethod
+    def of_spec(cls, spec: Any) -> AttentionLayout:
+        return cls(tuple(spec.placements), tuple(spec.shape), spec.mesh)
+
+    def __repr__(self) -> str:
+        return f"DTensor {list(self.shape)} placed {self.placements}"
+
+
 def sequence_mesh_dims(t: Any) -> list[int]:
     """The mesh dims that shard ``t``'s sequence dim (SDPA's second-to-last)."""
     return [i for i, p in enumerate(t.placements) if isinstance(p, ti.Shard) and p.dim % t.ndim == t.ndim - 2]
@@ -295,7 +317,7 @@ def why_not_ring(
         return RingRefusal("an attn_mask (ring attention takes is_causal=True, no mask)", _HINT_MASK)
     if dropout_p != 0.0:
         return RingRefusal("dropout (ring attention runs without it)")
-    if not all(isinstance(t, DTensorProxy) for t in (q, k, v)):
+    if not all(isinstance(t, DTensorProxy | AttentionLayout) for t in (q, k, v)):
         return RingRefusal("q, k and v are not all DTensors")
     if not (q.device_mesh == k.device_mesh == v.device_mesh):
         return RingRefusal("q, k and v on different meshes (one cp mesh for all three)", may_gather=False)

@@ -116,7 +116,10 @@ def cotangent_for(out, full):
     some of them (``(_StridedShard(1, sf=6),) * 2`` on a 2x2 mesh, fuzz seed 13002) as a DTensor whose value is
     another (its spec has no shard order), or one whose ``full_tensor()`` raises (a 48-element output placed
     ``(_StridedShard(0, sf=6), S(0))``, seed 15430: every rank fails torch's unpadding check), and the cotangent is
-    then the replicated one."""
+    then the replicated one. Where the output's own spec (its shard order included) holds ``full`` with the local
+    shard made, the cotangent has that spec: eager compares specs, not placements only, and redistributed a
+    cotangent placed as the output but without its shard order (seed 17148: ``x.grad`` then Replicate where the
+    output's own ``ones_like`` gives ``Shard(1)``)."""
     placements = [Replicate() if p.is_partial() else p for p in out.placements]
     replicated = distribute_tensor(full, out.device_mesh, [Replicate()] * len(placements), src_data_rank=None)
     try:
@@ -125,11 +128,16 @@ def cotangent_for(out, full):
         made = replicated.redistribute(out.device_mesh, placements)
     if not any(type(p).__name__ == "_StridedShard" for p in placements):
         return made
-    try:
-        holds_full = torch.equal(made.full_tensor(), full)
-    except RuntimeError:
-        holds_full = False
-    return made if holds_full else replicated
+    candidates = [made]
+    if tuple(out.placements) == tuple(placements) and out.is_contiguous() and out.dtype == made.dtype:
+        candidates.insert(0, DTensor(made.to_local(), out._spec, requires_grad=False))
+    for candidate in candidates:
+        try:
+            if torch.equal(candidate.full_tensor(), full):
+                return candidate
+        except RuntimeError:  # torch's own gather of the layout fails (seed 15430)
+            pass
+    return replicated
 '''
 
 _IMPORTS_SOURCE = """\

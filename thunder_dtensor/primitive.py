@@ -26,6 +26,7 @@ from thunder_dtensor.errors import (
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.proxy import DTensorProxy, proxy_for_value
 from thunder_dtensor.signature import SignatureCache, call_signature, describe_value
+from thunder_dtensor.spec import contiguous_stride, dense_stride_like
 
 import torch
 
@@ -125,6 +126,21 @@ _RUNTIME_NUMBER_STAND_INS: dict[type, tuple[Any, Any]] = {bool: (True, False), i
 _STAND_IN_CHOICE = [0]
 
 
+def eager_local_stride(x: DTensorProxy) -> tuple[int, ...] | None:
+    """The strides of eager's local shard of ``x``: dense in the order of the global stride where that is dense and
+    not row-major (DTensor derives the global stride from its local tensor's); None: contiguous, as torch lays out a
+    fresh tensor (torch's strides, which differ from :func:`contiguous_stride` around an empty dim: a rank's empty
+    shard laid out otherwise than the others' made its program differ, fuzz seed 20 at 4 ranks hung).
+
+    A fake run takes view-or-copy decisions off the local tensor (a transposed value's ``.mT`` is a contiguous view
+    in eager): a contiguous stand-in under a transposed spec made ``o @ x.transpose(2, 1)`` fail DTensor's view rule,
+    and the op was rewritten and placed otherwise than eager's (fuzz seed 17166)."""
+    shape, stride = tuple(x.shape), tuple(x.meta.stride)
+    if stride == contiguous_stride(shape) or stride != dense_stride_like(shape, stride):
+        return None
+    return dense_stride_like(tuple(x.local_shape), stride)
+
+
 def _stand_in_number(x: Any) -> Any:
     pytype = x.python_type
     kind = next((t for t in (bool, int, float) if issubclass(pytype, t)), float)
@@ -149,7 +165,11 @@ def _stand_in(x: Any, fill: Callable = torch.empty) -> Any:
     """A torch value standing in for a proxy: ``torch.empty`` under fake mode, or real zeros (see below)."""
     if isinstance(x, DTensorProxy):
         device = ti.devices.to_torch_device(x.device)
-        return ti.dtensor_around(fill(x.local_shape, dtype=x.meta.dtype, device=device), x.meta.spec)
+        local = fill(x.local_shape, dtype=x.meta.dtype, device=device)
+        stride = eager_local_stride(x)
+        if stride is not None and tuple(local.stride()) != stride:
+            local = torch.empty_strided(x.local_shape, stride, dtype=x.meta.dtype, device=device).copy_(local)
+        return ti.dtensor_around(local, x.meta.spec)
     if isinstance(x, ti.TensorProxy):
         dtype, device = ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
         return fill(x.shape, dtype=dtype, device=device)

@@ -1590,3 +1590,25 @@ def test_thunderfx_attention_of_a_replicated_q_to_sequence_sharded_keys(is_causa
     out.backward(distribute_tensor(cotangent, mesh, out.placements))
     for x, reference in zip(inputs, references):
         torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
+
+
+def _weight_times_a_transposed_value(x, o):
+    return (o @ x.transpose(2, 1).mT.mT).flatten(0, 1)
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+@pytest.mark.parametrize("x_placements", [[Partial()], [Replicate()], [Shard(0)]], ids=["P", "R", "S0"])
+def test_a_matmul_of_a_transposed_value_decomposes_as_eager_does(x_placements, lowering, monkeypatch):
+    """Fuzz seed 17166: ``o @ x.transpose(2, 1)`` with inputs that require grad. Eager's matmul folds the batch of the
+    transposed value (its ``.mT`` is a contiguous view) and, for a Partial ``x``, reduces it: Replicate. The fake run
+    that decides the prim's spec stood in a contiguous local shard under the transposed spec, DTensor's view rule
+    refused the fold, and the op was rewritten (decomposed): ``Partial(sum)``, in both modes. Stand-ins are now laid
+    out as eager's shards are (dense in the order of the global stride)."""
+    inputs = [make_full((2, 7, 4), seed=190), make_full((8, 4), seed=191)]
+    case = DTensorCase(_weight_times_a_transposed_value, inputs, [x_placements, [Replicate()]])
+    import thunder_dtensor.ops.no_rule as no_rule
+
+    rewrites = recorded_calls(monkeypatch, no_rule, "_record")
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+    assert not rewrites, f"rewritten: {rewrites}"

@@ -804,6 +804,31 @@ def _backward_distrusted(inputs: list, outs: list, op_name: str = "") -> str | N
     return None
 
 
+def _reshape_gradient_misplaced(runtime_fn: Any, inputs: list, cotangents: tuple) -> str | None:
+    """Why eager DTensor's gradient of a reshape is wrong for these cotangents, or None.
+
+    The backward reshapes the cotangent to the input's shape, and DTensor's rule can name other elements than each
+    rank holds for a reshape of a strided shard (:func:`_reshape_misplaced`), as for a forward reshape: fuzz seed
+    17382, ``softmax(x).reshape(2, 6, -1).unflatten(2, (6, 4)) * g`` with ``g`` placed ``S(0)``, where the cotangent
+    ``S(3)`` goes back to ``x``'s shape placed ``_StridedShard(3, sf=6)`` and every gradient of ``x`` was wrong."""
+    if runtime_fn not in _RESHAPES or not inputs or len(cotangents) != 1:
+        return None
+    x, cotangent = inputs[0], cotangents[0]
+    if not isinstance(x, DTensorProxy) or not isinstance(cotangent, DTensorProxy):
+        return None
+    if cotangent.device_mesh.ndim != 1 or not any(p.is_shard() or ti.is_strided_shard(p) for p in cotangent.placements):
+        return None
+    args = (cotangent, tuple(x.shape))
+    try:
+        out = propagated_fakes("reshape (a reshape's gradient)", torch.reshape, args, {})
+    except DTensorOpError:
+        return None
+    misplaced = _reshape_misplaced(torch.reshape, args, out)
+    if not misplaced:
+        return None
+    return f"eager DTensor's gradient of a reshape takes {misplaced} (a torch bug: wrong gradients)"
+
+
 def is_generic_vjp(name: str) -> bool:
     """Whether ``name`` is a generic vjp prim (or its executor operator, which has the prim's name)."""
     record = PRIMS.get(name)
@@ -891,7 +916,9 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         cotangents = tuple(_cotangent_or_none(o) for o in outs)
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
-        distrust = _backward_distrusted(flat_inputs, outs, name)
+        distrust = _backward_distrusted(flat_inputs, outs, name) or _reshape_gradient_misplaced(
+            runtime_fn, flat_inputs, cotangents
+        )
         groups = [diff_indices]
         if (
             len(diff_indices) > 1
@@ -926,7 +953,10 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         finally:
             trace.pop_scope()
         flat_inputs, _ = ti.torch_tree_flatten((args, kwargs))
-        return vjp(args, kwargs, cotangents, diff_indices, distrust=_backward_distrusted(flat_inputs, outs, name))
+        distrust = _backward_distrusted(flat_inputs, outs, name) or _reshape_gradient_misplaced(
+            runtime_fn, flat_inputs, cotangents
+        )
+        return vjp(args, kwargs, cotangents, diff_indices, distrust=distrust)
 
     ti.register_grad(prim, grad_rule)
     record.grad_rule = record.generic_grad_rule = grad_rule

@@ -1612,3 +1612,23 @@ def test_a_matmul_of_a_transposed_value_decomposes_as_eager_does(x_placements, l
     rewrites = recorded_calls(monkeypatch, no_rule, "_record")
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
     assert not rewrites, f"rewritten: {rewrites}"
+
+
+def _softmax_reshaped_times_a_sharded_weight(x, g):
+    return F.softmax(x, dim=3).reshape(2, 6, -1).unflatten(2, (6, 4)) * g
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+@pytest.mark.parametrize("x_placements", [[Replicate()], [Shard(3)]], ids=["R", "S3"])
+def test_the_gradient_of_a_reshape_dtensor_misplaces_is_computed_replicated(x_placements, lowering):
+    """Fuzz seed 17382: the cotangent ``S(3)`` of ``unflatten(2, (6, 4))`` goes back through the reshapes to ``x``'s
+    shape, where DTensor places it ``_StridedShard(3, sf=6)``, naming other elements than each rank holds (a torch
+    bug, the one a forward reshape is checked for): the softmax's backward then read the wrong elements, and every
+    gradient of ``x`` was wrong, in eager and in both modes. Such a reshape's backward is now distrusted and runs
+    replicated (compared with plain torch only: eager's gradient is wrong)."""
+    inputs = [make_full((2, 6, 2, 12), seed=200), make_full((4,), seed=201)]
+    case = DTensorCase(_softmax_reshaped_times_a_sharded_weight, inputs, [x_placements, [Shard(0)]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})

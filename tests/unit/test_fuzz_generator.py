@@ -46,3 +46,22 @@ def test_no_table_vocab_sharded_on_several_mesh_dims():
             tables += 1
             assert program.inputs[i].placements.count("S0") <= 1, (seed, program.describe())
     assert tables > 0
+
+
+def test_no_whole_maximum_of_a_value_some_rank_may_hold_none_of():
+    """Fuzz seed 18146 (4 ranks, a 2x2 mesh): ``y.amax().item()`` of ``[3, 2]`` placed ``(S(0), S(0))``: rank 3 holds
+    none of it, eager DTensor's ``amax`` raised there only while the others waited in a collective, and the run
+    ended. The generator reads a sum there instead (and an ``if`` tests a mean), where a dim has fewer elements than
+    ranks; elsewhere the maximum is still drawn."""
+    program = generate_program(18146, 4, (2, 2))
+    assert "y.sum().item()" in program.source() and "amax" not in program.source()
+    drawn = 0
+    for seed in range(18000, 18400):
+        program = generate_program(seed, 4, (2, 2))
+        shape = program.inputs[0].shape
+        for step in program.steps:
+            if re.search(r"y\.am(ax|in)\(\)", step.line):
+                drawn += 1
+                assert all(size >= 4 for size in shape), (seed, step.line, shape)
+            shape = step.shape or shape
+    assert drawn > 0

@@ -905,6 +905,12 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
             quiet=quiet,
         )
 
+    def distrusted(flat_inputs: list, outs: list, cotangents: tuple) -> str | None:
+        # why eager's backward of this op is wrong for these outputs and cotangents (None: it is trusted)
+        return _backward_distrusted(flat_inputs, outs, name) or _reshape_gradient_misplaced(
+            runtime_fn, flat_inputs, cotangents
+        )
+
     def grad_rule(*args: Any, **kwargs: Any) -> Any:
         out = prim(*args, **kwargs)
         # torch's pytree, as run_vjp uses at run time (thunder's orders dict keys differently)
@@ -916,9 +922,7 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         cotangents = tuple(_cotangent_or_none(o) for o in outs)
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
-        distrust = _backward_distrusted(flat_inputs, outs, name) or _reshape_gradient_misplaced(
-            runtime_fn, flat_inputs, cotangents
-        )
+        distrust = distrusted(flat_inputs, outs, cotangents)
         groups = [diff_indices]
         if (
             len(diff_indices) > 1
@@ -953,10 +957,7 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         finally:
             trace.pop_scope()
         flat_inputs, _ = ti.torch_tree_flatten((args, kwargs))
-        distrust = _backward_distrusted(flat_inputs, outs, name) or _reshape_gradient_misplaced(
-            runtime_fn, flat_inputs, cotangents
-        )
-        return vjp(args, kwargs, cotangents, diff_indices, distrust=distrust)
+        return vjp(args, kwargs, cotangents, diff_indices, distrust=distrusted(flat_inputs, outs, cotangents))
 
     ti.register_grad(prim, grad_rule)
     record.grad_rule = record.generic_grad_rule = grad_rule

@@ -1000,7 +1000,7 @@ def _op_reduce(g: _Generator) -> _Candidate:
         dim_src = str(dims[0])
     if g.ndim - len(dims) < 1:
         keepdim = True
-    if op == "amax" and any(g.shape[d] < math.prod(g.mesh_shape) for d in dims):
+    if op == "amax" and _some_rank_may_hold_none(g, dims):
         # a dim of fewer elements than ranks may leave a rank an empty shard of it, and eager DTensor's amax then
         # raises on that rank only ("Expected reduction dim ... to have non-zero size") while the others wait in a
         # collective: the run hangs (fuzz seed 15429; thunder runs it, test_fuzz_regressions)
@@ -1197,11 +1197,11 @@ def _op_item(g: _Generator) -> _Candidate:
     return steps
 
 
-def _some_rank_may_hold_none(g: _Generator) -> bool:
-    """Whether ``y`` has a dim of fewer elements than ranks: sharded there, some rank holds an empty shard, and eager
-    DTensor's ``amax()`` / ``amin()`` of the whole value raises on that rank only while the others wait in a
-    collective (fuzz seed 18146 at 4 ranks: the run ended; 15429 is the same for a reduction over some dims)."""
-    return any(size < math.prod(g.mesh_shape) for size in g.shape)
+def _some_rank_may_hold_none(g: _Generator, dims: Iterable[int] | None = None) -> bool:
+    """Whether ``y`` has a dim (of ``dims``, default all) of fewer elements than ranks: sharded there, some rank holds
+    an empty shard, and eager DTensor's ``amax`` / ``amin`` over it raises on that rank only while the others wait in
+    a collective (fuzz seed 18146 at 4 ranks, the whole value: the run ended; 15429, over some dims: it hung)."""
+    return any(g.shape[d] < math.prod(g.mesh_shape) for d in (range(g.ndim) if dims is None else dims))
 
 
 def _op_use_number(g: _Generator) -> _Candidate:

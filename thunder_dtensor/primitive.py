@@ -439,7 +439,7 @@ class MisplacedViewError(WrongShapeError):
 
 
 #: the reshapes whose output is the input's elements in row-major order (a view where strides allow)
-_RESHAPES = frozenset(
+RESHAPES = frozenset(
     {
         torch.reshape,
         torch.flatten,
@@ -456,46 +456,75 @@ _RESHAPES = frozenset(
 _CHECKED_RESHAPE_NUMEL = 1 << 20
 
 
-def _held_indices(shape: tuple, placement: Any, ranks: int) -> list[torch.Tensor]:
-    """For each rank of a 1-D mesh of ``ranks``, the row-major indices of the elements of a tensor of ``shape``
-    that it holds under ``placement``, in its local order: DTensor's own split of an index tensor."""
-    full = torch.arange(math.prod(shape)).reshape(shape)
-    if not (placement.is_shard() or ti.is_strided_shard(placement)):  # (a strided shard is no Shard in 2.13)
-        return [full.reshape(-1)] * ranks
-    shards, _ = placement._split_tensor(full, ranks, with_padding=False, contiguous=True)
-    return [shards[rank].reshape(-1) if rank < len(shards) else full.new_empty((0,)) for rank in range(ranks)]
+def _sharded_more_than_plainly(spec: Any) -> bool:
+    """Whether ``spec`` has a ``_StridedShard`` or a dim sharded over several mesh dims: the placements a reshape
+    can misplace (a plain shard of one dim over one mesh dim keeps its meaning through a reshape DTensor accepts)."""
+    dims = [p.dim for p in spec.placements if p.is_shard() or ti.is_strided_shard(p)]
+    return any(ti.is_strided_shard(p) for p in spec.placements) or len(dims) != len(set(dims))
 
 
 def _reshape_misplaced(torch_fn: Callable, args: tuple, out: Any) -> str:
-    """How DTensor's placements for a reshape of a strided shard on a 1-D mesh say each rank holds other elements
-    than it does ("" where they agree, or where this is not checked).
+    """How DTensor's placements for a reshape of a strided or multiply sharded value say each rank holds other
+    elements than it does ("" where they agree, or where this is not checked).
 
-    A torch DTensor bug found by the fuzzer (seed 10924): ``unflatten(0, (8, 14))`` of a ``_StridedShard(dim=0,
-    sf=7)`` of 112 elements is placed ``_StridedShard(dim=1, sf=7)``, and each rank's local tensor is then read
-    as elements it does not hold. A reshape keeps each rank's local elements in order, so the input's and the
-    output's placements must give every rank the same indices."""
+    A torch DTensor bug found by the fuzzer: ``unflatten(0, (8, 14))`` of a ``_StridedShard(dim=0, sf=7)`` of 112
+    elements is placed ``_StridedShard(dim=1, sf=7)`` (seed 10924), and on a 2x2 mesh ``reshape(4, 16)`` of a
+    ``[64]`` placed ``(S(0), _StridedShard(0, sf=4))`` is placed ``(S(0), _StridedShard(1, sf=4))`` (seed 18148):
+    each rank's local tensor is then read as elements it does not hold.
+
+    DTensor's own reassembly is the judge, replayed at trace time: each rank's local tensor is given distinct
+    element ids, reshaped locally as eager does, and the output spec's ``full_tensor()`` must equal the input
+    spec's ``full_tensor()`` reshaped. Every rank traces the same program and decides from the global spec, so
+    each runs the same collectives; the verdict, from replicated values, is the same on every rank."""
     x = args[0] if args else None
-    if torch_fn not in _RESHAPES or not isinstance(x, DTensorProxy):
+    if torch_fn not in RESHAPES or not isinstance(x, DTensorProxy):
         return ""
     outs = [t for t in ti.torch_tree_flatten(out)[0] if isinstance(t, ti.DTensor)]
     if len(outs) != 1:
         return ""
     before, after = x.meta.spec, ti.dtensor_spec(outs[0])
     numel = math.prod(tuple(x.shape))
-    if before.mesh.ndim != 1 or not any(ti.is_strided_shard(p) for p in (*before.placements, *after.placements)):
+    if not (_sharded_more_than_plainly(before) or _sharded_more_than_plainly(after)):
         return ""
     if numel > _CHECKED_RESHAPE_NUMEL or numel != math.prod(tuple(outs[0].shape)):
         return ""
-    ranks = before.mesh.size()
-    held = _held_indices(tuple(x.shape), before.placements[0], ranks)
-    claimed = _held_indices(tuple(outs[0].shape), after.placements[0], ranks)
-    for rank, (mine, named) in enumerate(zip(held, claimed)):
-        if not torch.equal(mine, named):
-            return (
-                f"output placements {tuple(after.placements)} for a reshape of {tuple(before.placements)}: rank "
-                f"{rank}'s elements are not the ones they name"
-            )
-    return ""
+    held = _distinct_element_ids(x, numel)
+    if held is None:  # this rank is not in the mesh: it takes no part in the mesh's collectives
+        return ""
+    local_out_shape = tuple(ti.local_tensor(outs[0]).shape)
+    local_out = torch.full((math.prod(local_out_shape),), -1, dtype=held.dtype, device=held.device)
+    kept = min(held.numel(), local_out.numel())  # (a rank whose count differs must still join the collectives)
+    local_out[:kept] = held.reshape(-1)[:kept]
+    try:
+        with torch.no_grad():
+            want = ti.dtensor_around(held, ti.spec_without_partials(before)).full_tensor()
+            got = ti.dtensor_around(local_out.reshape(local_out_shape), ti.spec_without_partials(after)).full_tensor()
+    except Exception as e:  # torch's reassembly itself fails for some strided specs (fuzz seed 15430): on every rank
+        return f"output placements {tuple(after.placements)} that DTensor cannot reassemble ({first_line(e)})"
+    want = want.reshape(tuple(outs[0].shape))
+    if got.shape == want.shape and torch.equal(got, want):
+        return ""
+    first = int((got.reshape(-1) != want.reshape(-1)).nonzero()[0]) if got.shape == want.shape else 0
+    return (
+        f"output placements {tuple(after.placements)} for a reshape of {tuple(before.placements)}: its shards "
+        f"reassemble into other elements than the input's, reshaped (first at flat index {first})"
+    )
+
+
+def _distinct_element_ids(x: DTensorProxy, numel: int) -> torch.Tensor | None:
+    """This rank's local tensor of ``x`` filled with ids no rank holding other elements uses (ranks that differ
+    only along replicated or partial mesh dims hold the same ids, as they hold the same elements)."""
+    spec = x.meta.spec
+    coordinate = spec.mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    key = 0
+    for mesh_dim, placement in enumerate(spec.placements):
+        if placement.is_shard() or ti.is_strided_shard(placement):
+            key = key * spec.mesh.size(mesh_dim) + coordinate[mesh_dim]
+    device = ti.devices.to_torch_device(x.device)
+    local_numel = math.prod(tuple(x.local_shape))
+    return (torch.arange(local_numel, device=device) + key * numel).reshape(tuple(x.local_shape))
 
 
 def _shapes_unlike_torch(torch_fn: Callable, args: tuple, kwargs: dict, out: Any) -> str:
@@ -811,12 +840,12 @@ def _reshape_gradient_misplaced(runtime_fn: Any, inputs: list, cotangents: tuple
     rank holds for a reshape of a strided shard (:func:`_reshape_misplaced`), as for a forward reshape: fuzz seed
     17382, ``softmax(x).reshape(2, 6, -1).unflatten(2, (6, 4)) * g`` with ``g`` placed ``S(0)``, where the cotangent
     ``S(3)`` goes back to ``x``'s shape placed ``_StridedShard(3, sf=6)`` and every gradient of ``x`` was wrong."""
-    if runtime_fn not in _RESHAPES or not inputs or len(cotangents) != 1:
+    if runtime_fn not in RESHAPES or not inputs or len(cotangents) != 1:
         return None
     x, cotangent = inputs[0], cotangents[0]
     if not isinstance(x, DTensorProxy) or not isinstance(cotangent, DTensorProxy):
         return None
-    if cotangent.device_mesh.ndim != 1 or not any(p.is_shard() or ti.is_strided_shard(p) for p in cotangent.placements):
+    if not any(p.is_shard() or ti.is_strided_shard(p) for p in cotangent.placements):
         return None
     args = (cotangent, tuple(x.shape))
     try:

@@ -1117,8 +1117,9 @@ def test_a_reshape_dtensor_places_on_the_wrong_elements_runs_replicated(lowering
     """Fuzz seed 10924 (2 ranks), a torch DTensor bug: ``unflatten(0, (8, 14))`` of the ``_StridedShard(dim=0,
     sf=7)`` that flattening a ``Shard(1)`` ``[7, 16]`` gives is placed ``_StridedShard(dim=1, sf=7)``, which names
     other elements than each rank holds (eager DTensor's values are wrong, silently; the package's were eager's).
-    A reshape of a strided shard on a 1-D mesh has its placements checked against the indices each rank holds
-    (DTensor's own split of an index tensor), and where they disagree it runs replicated, with a warning."""
+    A reshape of a strided shard has its placements checked at trace time by DTensor's own reassembly (the output
+    spec's ``full_tensor()`` of the ranks' reshaped element ids against the input's), and where they disagree it
+    runs replicated, with a warning."""
     full = torch.arange(112.0).reshape(7, 16)
     expected = _flattened_and_unflattened(full)
     eager = _flattened_and_unflattened(distribute_tensor(full, mesh_1d(), [Shard(1)]))
@@ -1538,7 +1539,7 @@ def test_attention_with_a_mask_sharded_otherwise_than_q_is_compared_by_values(lo
     its own (the mask's gradient Replicate, ours Shard(1) as the mask is). The fuzzer took the layout for a local one
     because it looked at q, k and v only, and reported the placements; it now asks the rule's own predicate, mask
     included, and compares values only there, as for every other mixed layout."""
-    from thunder_dtensor.testing.fuzz import _AttentionLayouts
+    from thunder_dtensor.testing.fuzz import _EagerDerivations
 
     x_full = make_full((2, 2, 6, 4), seed=170)
     for mask_shape, mask_placements, derived in (
@@ -1549,7 +1550,7 @@ def test_attention_with_a_mask_sharded_otherwise_than_q_is_compared_by_values(lo
         fulls = [x_full, make_full(mask_shape, seed=171)]
         case = DTensorCase(_attention_with_a_mask, fulls, [[Replicate()], mask_placements])
         run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})
-        layouts = _AttentionLayouts()
+        layouts = _EagerDerivations()
         x, mask = (
             distribute_tensor(f, mesh_1d(), p).requires_grad_() for f, p in zip(fulls, [[Replicate()], mask_placements])
         )
@@ -1632,3 +1633,73 @@ def test_the_gradient_of_a_reshape_dtensor_misplaces_is_computed_replicated(x_pl
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedFallbackWarning)
         run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})
+
+
+def _two_reshapes(x):
+    return x.reshape(96).reshape(-1, 48)
+
+
+def _row_means_of_reshapes(x):
+    return _two_reshapes(x)[1:].mean(dim=-1, dtype=torch.float64).tanh()
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_a_reshape_whose_misplacement_a_mean_hides_runs_replicated(lowering):
+    """Fuzz seed 17372: ``reshape(96).reshape(-1, 48)`` of a ``[8, 12]`` placed ``S(1)``: the second reshape is placed
+    ``_StridedShard(1, sf=8)``, whose ``full_tensor()`` permutes each row (a torch bug). thunder runs it replicated;
+    the program's row means hid eager's error, so the fuzzer took eager's later placements for the reference (its
+    gradient ``Replicate``, thunder's ``x``'s own ``S(1)``) and reported a mismatch. The fuzzer now notes an eager
+    reshape that misplaces and compares values only after it (``test_the_fuzzer_notes_an_eager_reshape_that_...``)."""
+    full = torch.arange(96.0, dtype=torch.float64).reshape(8, 12)
+    eager = _two_reshapes(distribute_tensor(full, mesh_1d(), [Shard(1)]))
+    assert not torch.equal(eager.full_tensor(), _two_reshapes(full)), "eager DTensor is right here: no test"
+    HOW_OPS_RAN.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        out = thunder.jit(_two_reshapes, dtensor_lowering=lowering)(distribute_tensor(full, mesh_1d(), [Shard(1)]))
+        assert HOW_OPS_RAN == {"Tensor_reshape": "replicated fallback"}, HOW_OPS_RAN
+        torch.testing.assert_close(out.full_tensor(), _two_reshapes(full))
+        case = DTensorCase(_row_means_of_reshapes, [make_full((8, 12), seed=210, dtype=torch.float64)], [[Shard(1)]])
+        result = run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})
+    assert tuple(result.thunder_grads[0].placements) == (Shard(1),), result.thunder_grads[0].placements
+
+
+def test_the_fuzzer_notes_an_eager_reshape_that_misplaces():
+    """The fuzzer's eager watch marks a run whose reshape DTensor misplaces (its placements are then no reference),
+    and leaves a right one unmarked (the flatten before it, whose elements stay where they are)."""
+    from thunder_dtensor.testing.fuzz import _EagerDerivations
+
+    for fn, misplaced in ((_two_reshapes, True), (lambda x: x.reshape(96), False)):
+        watch = _EagerDerivations()
+        with watch:
+            fn(distribute_tensor(torch.arange(96.0).reshape(8, 12), mesh_1d(), [Shard(1)]))
+        assert watch.derived == misplaced
+
+
+def _flattened_reshaped_chunks_times(x, o):
+    y = x.flatten(0).reshape(4, 16).unflatten(-1, (8, 2))
+    return torch.bmm(torch.cat(y.chunk(2, dim=-1)[::-1], dim=-1), o)
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_reshape_dtensor_misplaces_on_a_2d_mesh_runs_replicated(lowering):
+    """Fuzz seed 18148 (4 ranks, 2x2 mesh): ``x.flatten(0).reshape(4, 16)`` of a ``[8, 8]`` placed ``(S(0), S(1))``.
+    The flatten gives ``(S(0), _StridedShard(0, sf=4))``, right; the reshape is placed ``(S(0), _StridedShard(1,
+    sf=4))``, which names other elements than each rank holds (a torch bug): half the ``bmm``'s values and every
+    gradient of its other operand were wrong, in eager and both modes. The check of a reshape's placements was for
+    1-D meshes only; DTensor's reassembly, replayed, serves any mesh."""
+    mesh = mesh_2d()
+    full = torch.arange(64.0).reshape(8, 8)
+    eager = distribute_tensor(full, mesh, [Shard(0), Shard(1)]).flatten(0).reshape(4, 16)
+    assert not torch.equal(eager.full_tensor(), full.reshape(4, 16)), "eager DTensor is right here: no test"
+    fulls = [make_full((8, 8), seed=220), make_full((4, 2, 6), seed=221)]
+    case = DTensorCase(
+        _flattened_reshaped_chunks_times, fulls, [[Shard(0), Shard(1)], [Shard(1), Replicate()]], mesh=mesh
+    )
+    HOW_OPS_RAN.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})
+    assert HOW_OPS_RAN.get("Tensor_reshape") == "replicated fallback", HOW_OPS_RAN

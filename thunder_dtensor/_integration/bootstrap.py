@@ -335,6 +335,14 @@ def spec_with_sizes(spec: Any, shape: Any, stride: Any) -> Any:
     return dataclasses.replace(spec, tensor_meta=meta)
 
 
+def spec_without_partials(spec: Any) -> Any:
+    """``spec`` with each ``Partial`` mesh dim replicated: a trace-time replay that reassembles the held elements
+    (:func:`thunder_dtensor.primitive._reshape_misplaced`) must not sum the ranks' copies."""
+    if not any(p.is_partial() for p in spec.placements):
+        return spec
+    return dataclasses.replace(spec, placements=tuple(Replicate() if p.is_partial() else p for p in spec.placements))
+
+
 @functools.lru_cache(maxsize=1024)
 def canonical_spec_repr(spec: Any) -> str:
     """Everything of ``spec`` that shapes a traced program, as one string: the prologue compares it.

@@ -1507,7 +1507,7 @@ class ProgramResult:
     seconds: float
     #: for a failing thunder.jit mode, how thunder.jit alone (plain full tensors, no DTensor) gets it wrong ("": right)
     plain_thunder: str = ""
-    #: eager attended on mixed layouts, so only values were compared (see ``_AttentionLayouts``)
+    #: eager derived or misplaced placements, so only values were compared (see ``_EagerDerivations``)
     values_only: bool = False
     #: for a failing thunderfx run, how thunderfx alone gets the plain program wrong ("": right)
     plain_thunderfx: str = ""
@@ -1628,8 +1628,8 @@ class _Run:
     backward_ran: bool = False
     grads: list = field(default_factory=list)
     grad_placements: list = field(default_factory=list)
-    #: eager ran attention on a layout whose placements eager derives on its own (see ``_AttentionLayouts``)
-    derived_attention: bool = False
+    #: eager derived placements on its own (attention on mixed layouts) or misplaced a reshape (``_EagerDerivations``)
+    derived_placements: bool = False
 
 
 @dataclass
@@ -1645,14 +1645,21 @@ class _Reference:
     inputs_after: list
 
 
-class _AttentionLayouts(torch.overrides.TorchFunctionMode):
-    """Notes whether eager DTensor runs attention on q, k, v that are not equally batch/head-sharded, or with a mask
-    neither replicated over them nor sharded as q is.
+class _EagerDerivations(torch.overrides.TorchFunctionMode):
+    """Notes where eager DTensor's placements are not a reference for thunder's: where eager derives them on its own
+    for attention, or where it misplaces a reshape.
 
-    There eager's output placements come from a strategy it derives per call (on CPU from the fused kernel's
-    decomposition, in a way that depends on the dispatch context; on CUDA from other kernels' rules), while
+    Attention: on q, k, v that are not equally batch/head-sharded, or with a mask neither replicated over them nor
+    sharded as q is, eager's output placements come from a strategy it derives per call (on CPU from the fused
+    kernel's decomposition, in a way that depends on the dispatch context; on CUDA from other kernels' rules), while
     thunder_dtensor attends on replicated inputs: the same values, other placements by design
-    (docs/architecture.md, "Attention"). The fuzzer then checks values only.
+    (docs/architecture.md, "Attention").
+
+    Reshape: a reshape whose output's ``full_tensor()`` is not its input's reshaped (a torch bug thunder_dtensor runs
+    replicated, ``primitive._reshape_misplaced``): eager went on from other values than the program's, even where a
+    later op hides it (a mean over a row it permuted, fuzz seed 17372), so its later placements are another program's.
+
+    The fuzzer then checks values only.
     """
 
     def __init__(self) -> None:
@@ -1660,13 +1667,31 @@ class _AttentionLayouts(torch.overrides.TorchFunctionMode):
         self.derived = False
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             from thunder_dtensor.ops.attention import attends_on_local_shards
 
-            mask = (kwargs or {}).get("attn_mask", args[3] if len(args) > 3 else None)
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             q, k, v = args[:3]
             self.derived |= not attends_on_local_shards(q, k, v, mask)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        from thunder_dtensor.primitive import RESHAPES
+
+        if func in RESHAPES and not self.derived and _misplaces(args[0] if args else None, out):
+            self.derived = True
+        return out
+
+
+def _misplaces(x: Any, out: Any) -> bool:
+    """Whether an eager reshape's output DTensor holds other values than its input's, reshaped (every rank gets the
+    same answer: both sides are gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(x, DTensor) and isinstance(out, DTensor)) or x.numel() != out.numel():
+        return False
+    with torch.no_grad():
+        want, got = x.full_tensor().reshape(out.shape), out.full_tensor()
+    return not torch.equal(want.isnan(), got.isnan()) or not torch.equal(want.nan_to_num(), got.nan_to_num())
 
 
 class RanksDisagree(RuntimeError):
@@ -1717,7 +1742,7 @@ def _execute(
 
     run = _Run()
     inputs = make_inputs()
-    layouts = _AttentionLayouts()
+    layouts = _EagerDerivations()
     out: Any = None
     raised: BaseException | None = None
     try:
@@ -1726,7 +1751,7 @@ def _execute(
     except Exception as error:
         raised = error
     finally:
-        run.derived_attention = layouts.derived
+        run.derived_placements = layouts.derived
     if isinstance(out, tuple):
         out, numbers = out
         run.numbers = list(numbers)
@@ -1897,7 +1922,7 @@ def _judge(
                     theirs is not None and not _close(have, theirs, tol),
                 )
         # eager's placements are the reference only where its values are right
-        eager_reference = eager.placements is not None and "output" not in eager_wrong and not eager.derived_attention
+        eager_reference = eager.placements is not None and "output" not in eager_wrong and not eager.derived_placements
         # (not None: the forward ran, and eager_reference)
         if (
             eager_reference
@@ -1943,7 +1968,7 @@ def _judge(
             if differs:
                 theirs = eager.grads[i] if eager.backward_ran else None
                 mismatch("grad-mismatch", where, differs, theirs is not None and not _close(have, theirs, tol))
-            eager_reference = not forward_wrong and where not in eager_wrong and not eager.derived_attention
+            eager_reference = not forward_wrong and where not in eager_wrong and not eager.derived_placements
             if eager.backward_ran and eager.grad_placements[i] is not None and eager_reference:
                 mine, theirs = got.grad_placements[i], eager.grad_placements[i]
                 # a vocab-parallel lookup's table gradient keeps the table's placements (the package's decision)
@@ -2236,7 +2261,7 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
         eager_error = f"[output] the output is a {eager.not_dtensor}"
     outcome = "failed" if failures else ("eager-rejected" if eager_error else "passed")
     seconds = time.perf_counter() - start
-    values_only = any(e.derived_attention for e in eagers)
+    values_only = any(e.derived_placements for e in eagers)
     return ProgramResult(
         program,
         outcome,
@@ -2317,7 +2342,7 @@ class FuzzSummary:
             stopped += f" ({len(self.left_out)} programs left out)"
         return (
             f"fuzz summary (world size {self.world_size}, {self.seconds:.0f}s){stopped}: ran={len(self.results)} "
-            f"passed={c['passed']} (values only, after attention on mixed layouts: {c['values-only']}) "
+            f"passed={c['passed']} (values only, eager's placements derived or misplaced: {c['values-only']}) "
             f"eager-rejected={c['eager-rejected']} "
             f"(thunder DTensorOpError={c['eager-rejected/thunder-DTensorOpError']}, "
             f"thunder ran and matched={c['eager-rejected/thunder-ran-and-matched']}) "

@@ -1655,6 +1655,8 @@ class _EagerDerivations(torch.overrides.TorchFunctionMode):
     thunder_dtensor attends on replicated inputs: the same values, other placements by design
     (docs/architecture.md, "Attention").
 
+    Such an attention runs in eager on replicated inputs (below).
+
     Reshape: a reshape whose output's ``full_tensor()`` is not its input's reshaped (a torch bug thunder_dtensor runs
     replicated, ``primitive._reshape_misplaced``): eager went on from other values than the program's, even where a
     later op hides it (a mean over a row it permuted, fuzz seed 17372), so its later placements are another program's.
@@ -1673,13 +1675,25 @@ class _EagerDerivations(torch.overrides.TorchFunctionMode):
 
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             q, k, v = args[:3]
-            self.derived |= not attends_on_local_shards(q, k, v, mask)
+            if not attends_on_local_shards(q, k, v, mask):
+                self.derived = True
+                # eager's placements are no reference here, and DTensor's CPU strategy search for such a layout ran
+                # for minutes (fuzz seeds 17222, 18367, 18489): eager attends on replicated inputs, the same values
+                args, kwargs = _replicated((args, kwargs))
         out = func(*args, **kwargs)
         from thunder_dtensor.primitive import RESHAPES
 
         if func in RESHAPES and not self.derived and _misplaces(args[0] if args else None, out):
             self.derived = True
         return out
+
+
+def _replicated(tree: Any) -> Any:
+    """``tree`` with each DTensor redistributed to Replicate on its mesh."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(DTensor, lambda x: x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim), tree)
 
 
 def _misplaces(x: Any, out: Any) -> bool:

@@ -1598,6 +1598,35 @@ def test_thunderfx_attention_of_a_replicated_q_to_sequence_sharded_keys(is_causa
         torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("mask_placements", [[Replicate()], [Shard(0)]], ids=["mask_R", "mask_S0"])
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "training"])
+def test_thunderfx_attention_with_a_mask(mask_placements, requires_grad):
+    """Fuzz seed 18595 (4 ranks): under thunderfx, attention with an ``attn_mask`` on inputs that do not require grad
+    (inference: torch picks CPU's fused kernel) raised in dynamo's fake run, whatever the placements: the sharding
+    rule the package gives that kernel named placements for q, k and v only, and DTensor counts the mask among its
+    inputs ("input_specs(3) != strategies(4: 3 args + 1 kwargs)"). The fuzzer then ran ``torch.compile`` alone on
+    the program to tell whose failure it was, and its attention strategy search stalled the run. The rule now
+    places the mask too (replicated, as thunder attends with a mask)."""
+    from thunder.dynamo import thunderfx
+
+    mesh = mesh_1d()
+    fulls = [make_full((2, 2, 6, 4), seed=230), make_full((2, 1, 6, 6), seed=231)]
+    placements = [[Replicate()], mask_placements]
+    inputs = [distribute_tensor(f, mesh, p).requires_grad_(requires_grad) for f, p in zip(fulls, placements)]
+    out = thunderfx(_attention_with_a_mask)(*inputs)
+    references = [f.clone().requires_grad_(requires_grad) for f in fulls]
+    expected = _attention_with_a_mask(*references)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    if not requires_grad:
+        return
+    cotangent = make_full(tuple(expected.shape), seed=232)
+    expected.backward(cotangent)
+    out.backward(distribute_tensor(cotangent, mesh, out.placements))
+    for x, reference in zip(inputs, references):
+        torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
+
+
 def _weight_times_a_transposed_value(x, o):
     return (o @ x.transpose(2, 1).mT.mT).flatten(0, 1)
 

@@ -293,7 +293,10 @@ def cpu_fused_attention_shardings(query, key, value, dropout_p=0.0, is_causal=Fa
     (fuzz seed 17115: wrong values under thunderfx).
     """
     replicate = ti.Replicate()
-    choices = [([replicate, replicate], [replicate, replicate, replicate, None, None])]
+    # inputs in the kernel's schema order: query, key, value, dropout_p, is_causal, then the keywords attn_mask,
+    # scale (a mask passed needs a placement of its own: fuzz seed 18595 failed DTensor's count of inputs)
+    mask = [replicate, None] if attn_mask is not None else []
+    choices = [([replicate, replicate], [replicate, replicate, replicate, None, None, *mask])]
     if attn_mask is not None or dropout_p != 0.0:
         return choices
     q, k, v = (AttentionLayout.of_spec(spec) for spec in (query, key, value))

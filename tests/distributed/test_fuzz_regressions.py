@@ -1737,3 +1737,27 @@ def test_a_reshape_dtensor_misplaces_on_a_2d_mesh_runs_replicated(lowering):
         warnings.simplefilter("ignore", ReplicatedFallbackWarning)
         run_case(case, compare_eager=False, jit_kwargs={"dtensor_lowering": lowering})
     assert HOW_OPS_RAN.get("Tensor_reshape") == "replicated fallback", HOW_OPS_RAN
+
+
+def _plus_a_lookup(x, ids, table):
+    return x + F.embedding(ids, table, padding_idx=3)
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_lookup_in_a_table_sharded_both_ways_with_ids_sharded_where_it_is_column_sharded(lowering):
+    """Fuzz seed 18615 (2x2 mesh): ids ``(S(0), R)``, a table ``(S(1), S(0))`` (its embedding dim sharded over the
+    first mesh dim, its vocabulary over the second). Eager's rule gathers the ids over the first mesh dim, keeps the
+    table's column shards and masks over the second, but its mask is the ungathered ids': the reduction of the masked
+    sum raised an IndexError, in eager and both modes (thunder ran eager's rule). The package's explicit masked lookup
+    now covers a table eager keeps column-sharded on another mesh dim (the ids gathered there): plain torch's values
+    and gradients."""
+    mesh = mesh_2d()
+    fulls = [
+        make_full((4, 48), seed=240),
+        make_full((4,), seed=241, dtype=torch.int64, int_high=6),
+        make_full((6, 48), seed=242),
+    ]
+    placements = [[Shard(1), Shard(1)], [Shard(0), Replicate()], [Shard(1), Shard(0)]]
+    case = DTensorCase(_plus_a_lookup, fulls, placements, requires_grad=[True, False, True], mesh=mesh)
+    run_case(case, compare_eager=eager_error(case) is None, jit_kwargs={"dtensor_lowering": lowering})

@@ -169,11 +169,28 @@ def _masked_by_eager(ids: Any, weight: Any) -> tuple[tuple[int, ...], Any, Any] 
     # several masked mesh dims: each with the table vocab-sharded (one replicated there: a single one)
     if not masked or not (vocab_sharded or (len(masked) == 1 and weight.placements[masked[0]].is_replicate())):
         return None
-    ids_placements = [ti.Replicate() if i in masked else p for i, p in enumerate(ids.placements)]
-    table_placements = tuple(
-        weight.placements[i] if i in masked else ti.Replicate() for i in range(weight.device_mesh.ndim)
+    # mesh dims where eager keeps the table sharded over its embedding dim and shards the output there, the ids
+    # gathered (fuzz seed 18615: ids S(0) there; eager's lookup then masked with the ungathered ids' mask, and its
+    # reduction raised "The shape of the mask [2] ... does not match the shape of the indexed tensor [4, 24]")
+    out_dim = len(ids.shape)
+    column = tuple(
+        i
+        for i, p in enumerate(eager)
+        if i not in masked
+        and isinstance(p, ti.Shard)
+        and p.dim == out_dim
+        and isinstance(weight.placements[i], ti.Shard)
+        and weight.placements[i].dim == 1
     )
-    ours = [MaskPartial("sum", tuple(weight.shape), 0) if i in masked else p for i, p in enumerate(ids_placements)]
+    kept = masked + column
+    ids_placements = [ti.Replicate() if i in kept else p for i, p in enumerate(ids.placements)]
+    table_placements = tuple(
+        weight.placements[i] if i in kept else ti.Replicate() for i in range(weight.device_mesh.ndim)
+    )
+    ours = [
+        MaskPartial("sum", tuple(weight.shape), 0) if i in masked else ti.Shard(out_dim) if i in column else p
+        for i, p in enumerate(ids_placements)
+    ]
     if tuple(ours) != eager:
         return None
     ids = call_for_dtensor(ti.DTensor.redistribute, ids, ids.device_mesh, ids_placements)

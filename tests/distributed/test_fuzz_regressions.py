@@ -1761,3 +1761,36 @@ def test_a_lookup_in_a_table_sharded_both_ways_with_ids_sharded_where_it_is_colu
     placements = [[Shard(1), Shard(1)], [Shard(0), Replicate()], [Shard(1), Shard(0)]]
     case = DTensorCase(_plus_a_lookup, fulls, placements, requires_grad=[True, False, True], mesh=mesh)
     run_case(case, compare_eager=eager_error(case) is None, jit_kwargs={"dtensor_lowering": lowering})
+
+
+def _softmax_then_a_branch_then_an_inplace_scale(x):
+    y = F.softmax(x * (x > -0.3).to(x.dtype), dim=1).transpose(0, 1).clone()
+    y = y - 1.0 if (y.sum() < 0).item() else torch.tanh(y)
+    y = y.clone()
+    y.mul_(2.0)
+    return y
+
+
+@pytest.mark.world_size(4)
+def test_a_joint_kept_on_every_rank_emits_no_backward_on_any():
+    """Fuzz seed 18997 (2x2 mesh, thunderfx; the run hung): a ``[3, 16]`` placed ``(S(1), Partial())``, so uneven
+    shards after the transpose. In the graph after the ``.item()`` break, one rank could not lower the ``clone``'s
+    snapshot (an in-place copy into its input) and another could; the ranks agreed to keep it, and the lowering
+    restored its state, but not the joint's backward the second rank had queued: that rank later lowered the
+    backward of the discarded forward while the first ran the eager one, and their trace-time agreements no longer
+    paired up. The restore now includes the queued backwards."""
+    from thunder.dynamo import thunderfx
+
+    mesh = mesh_2d()
+    full = make_full((3, 16), seed=250).requires_grad_()
+    share = (mesh.get_local_rank(1) + 1) / 3  # the Partial mesh dim's two shares of the value: 1/3 and 2/3
+    local = distribute_tensor(full.detach() * share, mesh, [Shard(1), Replicate()], src_data_rank=None).to_local()
+    x = DTensor.from_local(local, mesh, [Shard(1), Partial()], shape=full.shape, stride=full.stride())
+    x = x.detach().requires_grad_()
+    expected = _softmax_then_a_branch_then_an_inplace_scale(full)
+    out = thunderfx(_softmax_then_a_branch_then_an_inplace_scale)(x)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    cotangent = make_full(tuple(expected.shape), seed=251)
+    expected.backward(cotangent)
+    out.backward(distribute_tensor(cotangent, mesh, [Replicate(), Replicate()]).redistribute(mesh, out.placements))
+    torch.testing.assert_close(x.grad.full_tensor(), full.grad)

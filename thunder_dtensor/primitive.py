@@ -456,7 +456,7 @@ RESHAPES = frozenset(
 _CHECKED_RESHAPE_NUMEL = 1 << 20
 
 
-def _sharded_more_than_plainly(spec: Any) -> bool:
+def reshape_can_misplace(spec: Any) -> bool:
     """Whether ``spec`` has a ``_StridedShard`` or a dim sharded over several mesh dims: the placements a reshape
     can misplace (a plain shard of one dim over one mesh dim keeps its meaning through a reshape DTensor accepts)."""
     dims = [p.dim for p in spec.placements if p.is_shard() or ti.is_strided_shard(p)]
@@ -484,7 +484,7 @@ def _reshape_misplaced(torch_fn: Callable, args: tuple, out: Any) -> str:
         return ""
     before, after = x.meta.spec, ti.dtensor_spec(outs[0])
     numel = math.prod(tuple(x.shape))
-    if not (_sharded_more_than_plainly(before) or _sharded_more_than_plainly(after)):
+    if not (reshape_can_misplace(before) or reshape_can_misplace(after)):
         return ""
     if numel > _CHECKED_RESHAPE_NUMEL or numel != math.prod(tuple(outs[0].shape)):
         return ""

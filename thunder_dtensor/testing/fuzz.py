@@ -1699,10 +1699,14 @@ def _replicated(tree: Any) -> Any:
 def _misplaces(x: Any, out: Any) -> bool:
     """Whether an eager reshape's output DTensor holds other values than its input's, reshaped (every rank gets the
     same answer: both sides are gathered)."""
+    from thunder_dtensor.primitive import reshape_can_misplace
+
     from torch.distributed.tensor import DTensor
 
     if not (isinstance(x, DTensor) and isinstance(out, DTensor)) or x.numel() != out.numel():
         return False
+    if not (reshape_can_misplace(x._spec) or reshape_can_misplace(out._spec)):
+        return False  # (plain shards keep their meaning: no collective for them)
     with torch.no_grad():
         want, got = x.full_tensor().reshape(out.shape), out.full_tensor()
     return not torch.equal(want.isnan(), got.isnan()) or not torch.equal(want.nan_to_num(), got.nan_to_num())

@@ -1653,9 +1653,7 @@ class _EagerDerivations(torch.overrides.TorchFunctionMode):
     sharded as q is, eager's output placements come from a strategy it derives per call (on CPU from the fused
     kernel's decomposition, in a way that depends on the dispatch context; on CUDA from other kernels' rules), while
     thunder_dtensor attends on replicated inputs: the same values, other placements by design
-    (docs/architecture.md, "Attention").
-
-    Such an attention runs in eager on replicated inputs (below).
+    (docs/architecture.md, "Attention"). Such an attention runs in eager on replicated inputs (below).
 
     Reshape: a reshape whose output's ``full_tensor()`` is not its input's reshaped (a torch bug thunder_dtensor runs
     replicated, ``primitive._reshape_misplaced``): eager went on from other values than the program's, even where a
@@ -1665,25 +1663,26 @@ class _EagerDerivations(torch.overrides.TorchFunctionMode):
     """
 
     def __init__(self) -> None:
+        from thunder_dtensor.ops.attention import attends_on_local_shards
+        from thunder_dtensor.primitive import RESHAPES
+
         super().__init__()
         self.derived = False
+        # (imported here, once per run, not per torch call: this module imports without the package)
+        self._attends_on_local_shards, self._reshapes = attends_on_local_shards, RESHAPES
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            from thunder_dtensor.ops.attention import attends_on_local_shards
-
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             q, k, v = args[:3]
-            if not attends_on_local_shards(q, k, v, mask):
+            if not self._attends_on_local_shards(q, k, v, mask):
                 self.derived = True
                 # eager's placements are no reference here, and DTensor's CPU strategy search for such a layout ran
                 # for minutes (fuzz seeds 17222, 18367, 18489): eager attends on replicated inputs, the same values
                 args, kwargs = _replicated((args, kwargs))
         out = func(*args, **kwargs)
-        from thunder_dtensor.primitive import RESHAPES
-
-        if func in RESHAPES and not self.derived and _misplaces(args[0] if args else None, out):
+        if func in self._reshapes and not self.derived and _misplaces(args[0] if args else None, out):
             self.derived = True
         return out
 

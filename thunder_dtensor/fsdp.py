@@ -110,7 +110,7 @@ def _contiguous_proxy(spec: Any, device: Any, requires_grad: bool) -> DTensorPro
 
 
 def _with_dtype(spec: Any, dtype: torch.dtype) -> Any:
-    return ti.make_spec(spec.mesh, tuple(spec.placements), spec.tensor_meta._replace(dtype=dtype))
+    return ti.respec(spec, tensor_meta=spec.tensor_meta._replace(dtype=dtype))
 
 
 def _all_gather_meta(layout: ti.FSDPGroupLayout, *sharded: DTensorProxy) -> tuple:

@@ -192,7 +192,7 @@ def _spec_on_mesh(spec: Any, input_meshes: list) -> Any:
             lambda: f"no input of the op is on the output's device mesh {spec.mesh}",
         )
         return spec
-    return spec if real is spec.mesh else ti.make_spec(real, spec.placements, spec.tensor_meta)
+    return spec if real is spec.mesh else ti.respec(spec, mesh=real)
 
 
 def _to_proxy(x: Any, requires_grad: bool, input_meshes: list) -> Any:

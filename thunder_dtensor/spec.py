@@ -92,8 +92,7 @@ class DTensorMeta:
         """
         if not any(p.is_partial() for p in self.placements):
             return self
-        placements = tuple(ti.Replicate() if p.is_partial() else p for p in self.placements)
-        return DTensorMeta(ti.make_spec(self.mesh, placements, self.spec.tensor_meta), self.local_shape)
+        return DTensorMeta(ti.spec_without_partials(self.spec), self.local_shape)
 
 
 class MaskPartial(ti.Partial):

@@ -76,7 +76,7 @@ def _spec_as_traced(spec: Any) -> Any:
     """
     spec = ti.spec_with_sizes(spec, spec.tensor_meta.shape, spec.tensor_meta.stride)
     placements = tuple(as_traced_placement(p) for p in spec.placements)
-    return spec if placements == tuple(spec.placements) else ti.make_spec(spec.mesh, placements, spec.tensor_meta)
+    return spec if placements == tuple(spec.placements) else ti.respec(spec, placements=placements)
 
 
 def _proxy_for(value: Any) -> Any:

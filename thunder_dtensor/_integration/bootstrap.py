@@ -332,15 +332,24 @@ def spec_with_sizes(spec: Any, shape: Any, stride: Any) -> Any:
         tuple(size_hint(s) for s in stride),
         spec.tensor_meta.dtype,
     )
-    return dataclasses.replace(spec, tensor_meta=meta)
+    return respec(spec, tensor_meta=meta)
+
+
+def respec(spec: Any, **changes: Any) -> Any:
+    """``spec`` with the given fields (``mesh``, ``placements``, ``tensor_meta``) replaced and the rest kept: its
+    shard order and how it reads a ``_StridedShard`` (as a shard order or as a plain strided shard, which
+    DTensor's view rules choose). A spec built anew from mesh, placements and meta (:func:`make_spec`) takes the
+    default of both, another layout where a tensor dim is sharded over several mesh dims in another order."""
+    return dataclasses.replace(spec, **changes)
 
 
 def spec_without_partials(spec: Any) -> Any:
-    """``spec`` with each ``Partial`` mesh dim replicated: a trace-time replay that reassembles the held elements
-    (:func:`thunder_dtensor.primitive._reshape_misplaced`) must not sum the ranks' copies."""
+    """``spec`` with each ``Partial`` mesh dim replicated, all else kept: a Partial value's cotangent, and the
+    spec a trace-time replay reassembles held elements with (:func:`thunder_dtensor.primitive._reshape_misplaced`
+    must not sum the ranks' copies)."""
     if not any(p.is_partial() for p in spec.placements):
         return spec
-    return dataclasses.replace(spec, placements=tuple(Replicate() if p.is_partial() else p for p in spec.placements))
+    return respec(spec, placements=tuple(Replicate() if p.is_partial() else p for p in spec.placements))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -195,6 +195,21 @@ def test_the_documented_mean_loss_rewrite_is_no_placement_failure():
 
 
 @pytest.mark.world_size(2)
+def test_eagers_placements_are_no_reference_on_data_where_its_wrong_rule_happens_to_be_right():
+    """Seed 17556 under thunderfx: a frequency-scaled lookup (``scale_grad_by_freq``) in a column-sharded table,
+    its output's gradient sharded over the ids. Eager sums the ranks' table gradients (``Partial``), each scaled by
+    its own rank's id counts: wrong on the first data set, right on the second, where no id repeats across the
+    shards. The fuzzer took eager's ``Partial`` there for the reference against thunder's right ``Replicate``. What
+    eager gets wrong on either data set is no placement reference on the other."""
+    program = generate_program(17556, 2, mesh_shape_for(17556, 2), thunderfx_share=1.0)
+    assert "thunderfx" in program.modes and "scale_grad_by_freq=True" in program.source()
+    result = run_program(program)
+    table = f"grad {program.inputs[-1].name}"
+    assert [table in wrong for wrong in result.eager_wrong] == [True, False], result.eager_wrong
+    assert result.outcome == "passed", result.failures
+
+
+@pytest.mark.world_size(2)
 def test_an_output_placed_as_torch_compile_places_it_is_triaged_as_torch_s():
     """Seed 8443 under thunderfx: ``F.dropout(y, p=0.0)`` of a ``Partial`` value is ``Replicate`` in dynamo's fake
     run (and under ``torch.compile(backend="aot_eager")``), ``Partial`` in eager; thunderfx runs that node as

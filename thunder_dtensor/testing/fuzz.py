@@ -392,6 +392,7 @@ def split(result):
 
 
 compiled = {compiled}
+EAGER_WRONG = set()  # what eager DTensor computed wrong, on this data or earlier: its placements there are no reference
 for call in range(2):  # one compiled function, two calls: the same specs, other data
     print(f"---- call {{call}} ----")
     inputs = dtensors(call)
@@ -407,15 +408,19 @@ for call in range(2):  # one compiled function, two calls: the same specs, other
         print("eager DTensor raises:", repr(error))
     print("output placements: thunder", out.placements, "eager", eager.placements if eager is not None else "-")
     if eager is not None:
-        print("eager DTensor matches plain torch:", torch.allclose(eager.full_tensor(), expected.detach()))
+        eager_right = torch.allclose(eager.full_tensor(), expected.detach(), rtol=RTOL, atol=ATOL)
+        print("eager DTensor matches plain torch:", eager_right)
         print("numbers: thunder", numbers, "eager", eager_numbers, "plain torch", expected_numbers)
+        if not eager_right:
+            EAGER_WRONG.add("output")
     torch.testing.assert_close(out.full_tensor(), expected.detach(), rtol=RTOL, atol=ATOL)
     for name, have, want in zip(NUMBERS, numbers, expected_numbers):
         close = math.isclose(have, want, rel_tol=RTOL, abs_tol=ATOL)
         assert type(have) is type(want) and close, f"{{name}}: {{have!r}} vs plain torch {{want!r}}"
     for i in WRITTEN:
         torch.testing.assert_close(inputs[i].full_tensor(), full_inputs[i].detach(), rtol=RTOL, atol=ATOL)
-    assert eager is None or same_placements(out.placements, eager.placements), "output placements differ from eager"
+    if eager is not None and "output" not in EAGER_WRONG:
+        assert same_placements(out.placements, eager.placements), "output placements differ from eager"
     if expected.requires_grad:
         cotangent = make_full(expected.shape, seed=COTANGENT_SEEDS[call], dtype=expected.dtype)
         expected.backward(cotangent)
@@ -434,6 +439,11 @@ for call in range(2):  # one compiled function, two calls: the same specs, other
             torch.testing.assert_close(x.grad.full_tensor(), full.grad, rtol=RTOL, atol=ATOL)
             if eager is not None:
                 print(f"grad {{i}} placements: thunder", x.grad.placements, "eager", eager_inputs[i].grad.placements)
+                if not torch.allclose(eager_inputs[i].grad.full_tensor(), full.grad, rtol=RTOL, atol=ATOL):
+                    EAGER_WRONG.add(f"grad {{i}}")
+                if EAGER_WRONG & {{"output", f"grad {{i}}"}}:
+                    print(f"  eager's gradient {{i}} or output is wrong here or on earlier data: not compared")
+                    continue
                 mine, theirs = x.grad.placements, eager_inputs[i].grad.placements
                 same = same_placements(mine, theirs) or (
                     i in TABLES and table_gradient_placements_accepted(mine, theirs, x.placements)
@@ -1517,6 +1527,8 @@ class ProgramResult:
     #: for a thunderfx output placed otherwise than eager's: the output placements ``torch.compile`` (dynamo and
     #: AOTAutograd, the ``aot_eager`` backend: no thunder) gives the DTensor program ("": not asked, or none)
     compiled_placements: str = ""
+    #: per data set, what eager DTensor computed otherwise than plain torch ("output", "grad <name>", ...)
+    eager_wrong: tuple[frozenset[str], ...] = ()
 
     def _plain(self, failure: Failure) -> str:
         return self.plain_thunderfx if failure.mode == "thunderfx" else self.plain_thunder
@@ -1882,13 +1894,24 @@ def _eager_mismatches(program: Program, eager: _Run, ref: _Reference) -> set[str
 
 
 def _judge(
-    mode: str, program: Program, eager: _Run, eager_wrong: set[str], got: _Run, ref: _Reference, call: int
+    mode: str,
+    program: Program,
+    eager: _Run,
+    eager_wrong: set[str],
+    got: _Run,
+    ref: _Reference,
+    call: int,
+    eager_wrong_on_any_call: frozenset[str] = frozenset(),
 ) -> tuple[str, list[Failure]]:
     """A thunder run against plain torch (values) and eager DTensor (placements; whether it may raise).
 
     Outcome "refused": thunder.jit raised a ``DataDependentValueError`` where eager ran (``run_program`` asks
-    plain thunder whether it refuses the plain program too).
+    plain thunder whether it refuses the plain program too). ``eager_wrong_on_any_call``: what eager computed
+    wrong on either data set. Its placements there are no reference on the other either: they come from the same
+    rules, which may give plain torch's values on some data only (fuzz seed 17556: a counted table's gradient,
+    summed over ranks with each rank's counts, is right where no id repeats across the shards).
     """
+    untrusted = eager_wrong | eager_wrong_on_any_call
     from thunder_dtensor.errors import DataDependentValueError, DTensorOpError
     from thunder_dtensor.testing import same_placements, table_gradient_placements_accepted
 
@@ -1939,7 +1962,7 @@ def _judge(
                     theirs is not None and not _close(have, theirs, tol),
                 )
         # eager's placements are the reference only where its values are right
-        eager_reference = eager.placements is not None and "output" not in eager_wrong and not eager.derived_placements
+        eager_reference = eager.placements is not None and "output" not in untrusted and not eager.derived_placements
         # (not None: the forward ran, and eager_reference)
         if (
             eager_reference
@@ -1972,7 +1995,7 @@ def _judge(
             failures.append(Failure(mode, "grad-mismatch", at + "output", "the output does not require grad"))
         # eager's gradient placements are the reference only where eager ran the program itself: where its forward
         # values are wrong (a write into a view it took of gathered data is lost), it differentiated another program
-        forward_wrong = any(not w.startswith("grad ") for w in eager_wrong)
+        forward_wrong = any(not w.startswith("grad ") for w in untrusted)
         for i, spec in enumerate(program.inputs if got.backward_ran else ()):
             want, have = ref.grads[i], got.grads[i]
             where = f"grad {spec.name}"
@@ -1985,7 +2008,7 @@ def _judge(
             if differs:
                 theirs = eager.grads[i] if eager.backward_ran else None
                 mismatch("grad-mismatch", where, differs, theirs is not None and not _close(have, theirs, tol))
-            eager_reference = not forward_wrong and where not in eager_wrong and not eager.derived_placements
+            eager_reference = not forward_wrong and where not in untrusted and not eager.derived_placements
             if eager.backward_ran and eager.grad_placements[i] is not None and eager_reference:
                 mine, theirs = got.grad_placements[i], eager.grad_placements[i]
                 # a vocab-parallel lookup's table gradient keeps the table's placements (the package's decision)
@@ -2209,6 +2232,7 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
         eagers = [_execute(fn, inputs_of(0), refs[0].cotangent, written)]
         eagers.append(eagers[0] if eagers[0].error else _execute(fn, inputs_of(1), refs[1].cotangent, written))
         eager_wrong = [_agreed(_eager_mismatches(program, e, r)) for e, r in zip(eagers, refs)]
+        eager_wrong_on_any_call = frozenset().union(*eager_wrong)
         mode_outcomes: dict[str, str] = {}
         failures: list[Failure] = []
         first_runs: dict[str, _Run] = {}
@@ -2222,7 +2246,9 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
                 for call in CALLS:  # one compiled function, both data sets
                     got = _execute(compiled, inputs_of(call), refs[call].cotangent, written, eager=False)
                     first_runs.setdefault(mode, got)
-                    outcome, found = _judge(mode, program, eagers[call], eager_wrong[call], got, refs[call], call)
+                    outcome, found = _judge(
+                        mode, program, eagers[call], eager_wrong[call], got, refs[call], call, eager_wrong_on_any_call
+                    )
                     if outcome == "refused":  # a read of data: expected where plain thunder refuses it too
                         if plain("jit").refused:
                             outcome, found = "refused-like-plain-thunder", []
@@ -2291,6 +2317,7 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
         plain_thunderfx,
         dynamo_alone,
         compiled_placements,
+        tuple(frozenset(w) for w in eager_wrong),
     )
 
 

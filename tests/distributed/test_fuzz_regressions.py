@@ -1794,3 +1794,32 @@ def test_a_joint_kept_on_every_rank_emits_no_backward_on_any():
     expected.backward(cotangent)
     out.backward(distribute_tensor(cotangent, mesh, [Replicate(), Replicate()]).redistribute(mesh, out.placements))
     torch.testing.assert_close(x.grad.full_tensor(), full.grad)
+
+
+def _redistributed_to_rows_then_flattened(x):
+    return x.redistribute(x.device_mesh, [Shard(0)]).flatten(0)
+
+
+@pytest.mark.world_size(2)
+def test_an_eager_op_raising_as_the_program_runs_names_the_op_and_placements():
+    """Fuzz seed 19425: ``flatten`` of a ``[8, 4, 3]`` redistributed from ``S(2)`` to ``S(0)``. gloo has no
+    all-to-all, and the fallback leaves each rank a shard that cannot be viewed: eager DTensor's ``flatten`` raises
+    "view size is not compatible", and so did the eager prims' program as it ran (the trace's fake run sees specs,
+    not the shards' strides), with torch's message alone. It now names the op, the placements and a hint; the
+    lowering runs the program on local shards, with plain torch's values."""
+    mesh = mesh_1d()
+    full = torch.arange(96.0).reshape(8, 4, 3)
+    x = distribute_tensor(full, mesh, [Shard(2)])
+    out = thunder.jit(_redistributed_to_rows_then_flattened, dtensor_lowering=True)(x)
+    assert torch.equal(out.full_tensor(), full.flatten(0))
+    try:
+        _redistributed_to_rows_then_flattened(x)
+    except RuntimeError as eager:
+        with pytest.raises(DTensorOpError) as error:
+            thunder.jit(_redistributed_to_rows_then_flattened, dtensor_lowering=False)(x)
+        message = str(error.value)
+        assert message.startswith("dtensor_Tensor_flatten_prim (eager DTensor, as the program ran)"), message
+        assert str(eager) in message and "placements=(Shard(dim=0),)" in message and "lowering" in error.value.hint
+    else:  # a torch whose eager DTensor runs it
+        out = thunder.jit(_redistributed_to_rows_then_flattened, dtensor_lowering=False)(x)
+        assert torch.equal(out.full_tensor(), full.flatten(0))

@@ -491,6 +491,8 @@ def _reshape_misplaced(torch_fn: Callable, args: tuple, out: Any) -> str:
     held = _distinct_element_ids(x, numel)
     if held is None:  # this rank is not in the mesh: it takes no part in the mesh's collectives
         return ""
+    if _mesh_dim_kinds(before) != _mesh_dim_kinds(after):
+        return _redistributing_reshape_misplaced(x, held, tuple(outs[0].shape), before, after)
     local_out_shape = tuple(ti.local_tensor(outs[0]).shape)
     local_out = torch.full((math.prod(local_out_shape),), -1, dtype=held.dtype, device=held.device)
     kept = min(held.numel(), local_out.numel())  # (a rank whose count differs must still join the collectives)
@@ -508,6 +510,42 @@ def _reshape_misplaced(torch_fn: Callable, args: tuple, out: Any) -> str:
     return (
         f"output placements {tuple(after.placements)} for a reshape of {tuple(before.placements)}: its shards "
         f"reassemble into other elements than the input's, reshaped (first at flat index {first})"
+    )
+
+
+def _mesh_dim_kinds(spec: Any) -> tuple[str, ...]:
+    """Which mesh dims hold a sum pending, a replica or a shard: a reshape that changes them has redistributed its
+    input first (a Partial reduce-scattered, a shard gathered), and each rank's output is not its shard reshaped."""
+    return tuple("partial" if p.is_partial() else "replicate" if p.is_replicate() else "shard" for p in spec.placements)
+
+
+def _redistributing_reshape_misplaced(
+    x: DTensorProxy, held: torch.Tensor, shape: tuple[int, ...], before: Any, after: Any
+) -> str:
+    """:func:`_reshape_misplaced` where DTensor redistributes the input before reshaping it: eager's reshape itself
+    is replayed on the element ids, laid out as eager's shard, and its output must hold the input's ids reshaped
+    (a Partial input's ids are summed, alike on both sides). Fuzz seed 19376 (2x2 mesh): the cotangent of an
+    ``unflatten``, ``[2, 2]`` placed ``(S(0), Partial())`` with a transposed stride, goes back to ``[4]`` placed
+    ``(S(0), _StridedShard(0, sf=1))``: DTensor reduce-scatters the Partial, right, and the replay of a local
+    reshape alone read that as misplaced (the gradient then ran replicated, placed otherwise than eager's)."""
+    stride = eager_local_stride(x)
+    local = held.to(torch.float64)  # (exact ids; a Partial's reduce-scatter sums them)
+    if stride is not None:
+        local = torch.empty_strided(tuple(held.shape), stride, dtype=local.dtype, device=local.device).copy_(local)
+    try:
+        with torch.no_grad():
+            source = ti.dtensor_around(local, before)
+            out = source.reshape(shape)
+            want, got = source.full_tensor().reshape(shape), out.full_tensor()
+    except Exception as e:  # on every rank: each decides from the global specs
+        return f"output placements {tuple(after.placements)} that DTensor cannot reassemble ({first_line(e)})"
+    if tuple(out.placements) != tuple(after.placements):
+        return f"output placements {tuple(after.placements)}, which eager's reshape of the ids does not give"
+    if torch.equal(got, want):
+        return ""
+    return (
+        f"output placements {tuple(after.placements)} for a reshape of {tuple(before.placements)}, redistributed "
+        "first: its shards reassemble into other elements than the input's, reshaped"
     )
 
 

@@ -1823,3 +1823,32 @@ def test_an_eager_op_raising_as_the_program_runs_names_the_op_and_placements():
     else:  # a torch whose eager DTensor runs it
         out = thunder.jit(_redistributed_to_rows_then_flattened, dtensor_lowering=False)(x)
         assert torch.equal(out.full_tensor(), full.flatten(0))
+
+
+def _select_unflatten_transpose_matmul_norm(x, o1, o2, g3, b4):
+    y = x[6].unflatten(0, (2, 2)).transpose(0, -1) @ o1
+    return F.layer_norm(torch.cat([y[1], o2], dim=0), (5,), g3, b4)
+
+
+@pytest.mark.world_size(4)
+@LOWERING
+def test_a_reshape_dtensor_redistributes_first_is_not_taken_for_a_misplaced_one(lowering):
+    """Fuzz seed 19376 (2x2 mesh): the ``unflatten``'s cotangent, ``[2, 2]`` placed ``(S(0), Partial())`` with a
+    transposed stride, goes back to ``[4]`` placed ``(S(0), _StridedShard(0, sf=1))``: DTensor reduce-scatters the
+    Partial first, which is right. The check of a reshape's placements replayed a local reshape alone, read the
+    redistribution as a misplacement and ran the gradient replicated: ``x.grad`` placed ``(R, R)`` against eager's
+    ``(S(1), P(sum))``. Eager's own reshape is replayed where it redistributes."""
+    mesh = mesh_2d()
+    shapes = [(8, 4), (2, 2), (3,), (5,), (5,)]
+    fulls = [make_full(shape, seed=260 + i) for i, shape in enumerate(shapes)]
+    placements = [
+        [Replicate(), Shard(0)],
+        [Shard(0), Shard(1)],
+        [Replicate(), Shard(0)],
+        [Replicate(), Shard(0)],
+        [Shard(0), Replicate()],
+    ]
+    case = DTensorCase(_select_unflatten_transpose_matmul_norm, fulls, placements, mesh=mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedFallbackWarning)
+        run_case(case, jit_kwargs={"dtensor_lowering": lowering})

@@ -198,6 +198,11 @@ def process_group_size(name: str) -> int:
     return torch.distributed.distributed_c10d._resolve_process_group(name).size()  # type: ignore[arg-type]
 
 
+def default_store() -> Any:
+    """The default process group's key-value store (torchrun's, over TCP): it outlives the process group."""
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
 def process_group_all_reduce(bsym: Any) -> tuple[Any, str, str] | None:
     """``(tensor, reduce op, group name)`` where ``bsym`` is thunder's prim of ``torch.distributed.all_reduce`` on
     a process group object, waited for (no ``async_op``), with a reduce op functional collectives name; else None."""

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import functools
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,12 +67,21 @@ def init_distributed(timeout_s: float = 120.0) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group once every rank is done with it: a rank that tears gloo down while a peer still
-    reads from it can abort at exit (``terminate called without an active exception``)."""
+    """Leave the process group once every rank is done with it, and exit once every rank has left it: a rank that
+    tears gloo down while a peer still reads from it, or exits while a peer is still tearing down, can abort at
+    exit (``terminate called without an active exception``; ``make demo``, about one run in ten with the first
+    barrier alone). The second wait is on torchrun's store, which outlives the process group."""
     if not dist.is_initialized():
         return
+    from thunder_dtensor._integration import default_store
+
+    store, size = default_store(), dist.get_world_size()
     dist.barrier()
     dist.destroy_process_group()
+    left, deadline = store.add("thunder_dtensor_ranks_left", 1), time.monotonic() + 60.0
+    while left < size and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = store.add("thunder_dtensor_ranks_left", 0)
 
 
 def world_size() -> int:

@@ -69,7 +69,7 @@ def init_distributed(timeout_s: float = 120.0) -> None:
 def shutdown_distributed() -> None:
     """Leave the process group once every rank is done with it, and exit once every rank has left it: a rank that
     tears gloo down while a peer still reads from it, or exits while a peer is still tearing down, can abort at
-    exit (``terminate called without an active exception``; ``make demo``, about one run in ten with the first
+    exit (``terminate called without an active exception``; ``make demo``: 2 runs of 30 with the first
     barrier alone). The second wait is on torchrun's store, which outlives the process group."""
     if not dist.is_initialized():
         return

@@ -1852,3 +1852,19 @@ def test_a_reshape_dtensor_redistributes_first_is_not_taken_for_a_misplaced_one(
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicatedFallbackWarning)
         run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+def _transposed_self_attention(x):
+    y = x.mT
+    return F.scaled_dot_product_attention(y, y, y)
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_attention_of_a_transposed_sequence_sharded_value(lowering):
+    """Fuzz seed 19523: ``x.mT`` of a ``[8, 2, 2, 8]`` placed ``S(3)`` is sequence-sharded, so it attends by the
+    ring (k / v gathered), which calls the CPU fused kernel directly: that kernel assumes a unit stride in the last
+    dim, which ``F.scaled_dot_product_attention`` checks and the transposed shard has not. Values and gradients were
+    wrong in both modes, silently; eager was right."""
+    case = DTensorCase(_transposed_self_attention, [make_full((8, 2, 2, 8), seed=270)], [[Shard(3)]])
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})

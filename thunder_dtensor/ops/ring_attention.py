@@ -72,8 +72,16 @@ class RingPlan:
 
 
 # --- one chunk: the fused kernels that return the log-sum-exp -------------------------------------------------
+def _last_dim_dense(t: Any) -> Any:
+    """``t`` with a unit stride in its last dim, which the fused kernels called directly assume (``F.sdpa`` checks
+    it and picks another kernel; called directly, a transposed shard gave wrong values: fuzz seed 19523, a
+    sequence-sharded ``x.mT`` attending to itself)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> tuple:
     """(output, log-sum-exp) of attention of ``q`` to one k / v chunk."""
+    q, k, v = _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v)
     if q.device.type == "cuda":
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale
@@ -84,6 +92,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
 
 def _attend_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: bool, scale: float | None) -> tuple:
     """(dq, dk, dv) of one chunk, given the merged output and log-sum-exp (the exact split of the gradient)."""
+    dout, q, k, v, out = (_last_dim_dense(t) for t in (dout, q, k, v, out))
     if q.device.type == "cuda":
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(

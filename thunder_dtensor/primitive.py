@@ -161,14 +161,19 @@ def to_torch_value(x: Any) -> Any:
     return x
 
 
+def _laid_out_as_eager(x: DTensorProxy, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a shard of ``x``) with the strides of eager's shard (:func:`eager_local_stride`)."""
+    stride = eager_local_stride(x)
+    if stride is None or tuple(local.stride()) == stride:
+        return local
+    return torch.empty_strided(tuple(local.shape), stride, dtype=local.dtype, device=local.device).copy_(local)
+
+
 def _stand_in(x: Any, fill: Callable = torch.empty) -> Any:
     """A torch value standing in for a proxy: ``torch.empty`` under fake mode, or real zeros (see below)."""
     if isinstance(x, DTensorProxy):
         device = ti.devices.to_torch_device(x.device)
-        local = fill(x.local_shape, dtype=x.meta.dtype, device=device)
-        stride = eager_local_stride(x)
-        if stride is not None and tuple(local.stride()) != stride:
-            local = torch.empty_strided(x.local_shape, stride, dtype=x.meta.dtype, device=device).copy_(local)
+        local = _laid_out_as_eager(x, fill(x.local_shape, dtype=x.meta.dtype, device=device))
         return ti.dtensor_around(local, x.meta.spec)
     if isinstance(x, ti.TensorProxy):
         dtype, device = ti.dtypes.to_torch_dtype(x.dtype), ti.devices.to_torch_device(x.device)
@@ -528,10 +533,7 @@ def _redistributing_reshape_misplaced(
     ``unflatten``, ``[2, 2]`` placed ``(S(0), Partial())`` with a transposed stride, goes back to ``[4]`` placed
     ``(S(0), _StridedShard(0, sf=1))``: DTensor reduce-scatters the Partial, right, and the replay of a local
     reshape alone read that as misplaced (the gradient then ran replicated, placed otherwise than eager's)."""
-    stride = eager_local_stride(x)
-    local = held.to(torch.float64)  # (exact ids; a Partial's reduce-scatter sums them)
-    if stride is not None:
-        local = torch.empty_strided(tuple(held.shape), stride, dtype=local.dtype, device=local.device).copy_(local)
+    local = _laid_out_as_eager(x, held.to(torch.float64))  # (exact ids; a Partial's reduce-scatter sums them)
     try:
         with torch.no_grad():
             source = ti.dtensor_around(local, before)

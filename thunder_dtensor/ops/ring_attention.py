@@ -72,11 +72,11 @@ class RingPlan:
 
 
 # --- one chunk: the fused kernels that return the log-sum-exp -------------------------------------------------
-def _last_dim_dense(t: Any) -> Any:
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a unit stride in its last dim, which the fused kernels called directly assume (``F.sdpa`` checks
     it and picks another kernel; called directly, a transposed shard gave wrong values: fuzz seed 19523, a
     sequence-sharded ``x.mT`` attending to itself)."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> tuple:

@@ -1911,9 +1911,10 @@ def _judge(
     rules, which may give plain torch's values on some data only (fuzz seed 17556: a counted table's gradient,
     summed over ranks with each rank's counts, is right where no id repeats across the shards).
     """
-    untrusted = eager_wrong | eager_wrong_on_any_call
     from thunder_dtensor.errors import DataDependentValueError, DTensorOpError
     from thunder_dtensor.testing import same_placements, table_gradient_placements_accepted
+
+    untrusted = eager_wrong | eager_wrong_on_any_call  # (this data's, and the other's)
 
     at = "" if call == 0 else _SECOND
     eager_ran = eager.error is None and not eager.not_dtensor

@@ -210,6 +210,23 @@ def test_eagers_placements_are_no_reference_on_data_where_its_wrong_rule_happens
 
 
 @pytest.mark.world_size(2)
+def test_eagers_cpu_placements_of_a_head_sharded_attention_are_no_reference():
+    """Seed 19710: attention on q, k, v equally sharded over heads, placed ``S(1)`` as thunder_dtensor (and eager's
+    CUDA rules) keep it; eager's strategy derived on CPU replicates it. The fuzzer compared the program's output
+    placements with eager's ``R``. A batch-sharded attention, where eager's CPU placements agree, stays compared."""
+    from thunder_dtensor.testing.fuzz import _EagerDerivations
+
+    import torch.nn.functional as F
+
+    for placement in (Shard(1), Shard(0)):
+        x = distribute_tensor(torch.randn(4, 2, 6, 8), mesh_1d(), [placement])
+        with _EagerDerivations() as eager:
+            out = F.scaled_dot_product_attention(x, x, x)
+        assert eager.derived == (out.placements != (placement,)), (placement, out.placements)
+        assert eager.derived == (placement == Shard(1) and torch.__version__.startswith("2.13")), out.placements
+
+
+@pytest.mark.world_size(2)
 def test_an_output_placed_as_torch_compile_places_it_is_triaged_as_torch_s():
     """Seed 8443 under thunderfx: ``F.dropout(y, p=0.0)`` of a ``Partial`` value is ``Replicate`` in dynamo's fake
     run (and under ``torch.compile(backend="aot_eager")``), ``Partial`` in eager; thunderfx runs that node as

@@ -116,8 +116,9 @@ def attends_on_local_shards(q: Any, k: Any, v: Any, attn_mask: Any = None) -> bo
     """Whether q, k and v (DTensors or their proxies) share placements that shard only batch or head dims, and
     ``attn_mask`` (if any) is either replicated and broadcast over them or sharded as q is.
 
-    There (the layout tensor-parallel attention has) the output keeps those placements, as in eager; any other
-    layout is gathered first, and eager's derived placements may differ (see the module docstring). With fewer
+    There (the layout tensor-parallel attention has) the output keeps those placements, as eager's CUDA rules do
+    (on CPU, torch 2.13's derived strategy replicates head-sharded ones); any other layout is gathered first, and
+    eager's derived placements may differ (see the module docstring). With fewer
     heads in k and v than in q (grouped-query attention, ``enable_gqa=True``), sharded heads attend locally only
     where each rank's q heads are exactly the group of its k / v heads.
     """

@@ -1665,7 +1665,9 @@ class _EagerDerivations(torch.overrides.TorchFunctionMode):
     sharded as q is, eager's output placements come from a strategy it derives per call (on CPU from the fused
     kernel's decomposition, in a way that depends on the dispatch context; on CUDA from other kernels' rules), while
     thunder_dtensor attends on replicated inputs: the same values, other placements by design
-    (docs/architecture.md, "Attention"). Such an attention runs in eager on replicated inputs (below).
+    (docs/architecture.md, "Attention"). Such an attention runs in eager on replicated inputs (below). Where they
+    are equally head-sharded, the strategy eager derives on CPU replicates them, where thunder_dtensor (and eager's
+    CUDA rules) keep the heads sharded.
 
     Reshape: a reshape whose output's ``full_tensor()`` is not its input's reshaped (a torch bug thunder_dtensor runs
     replicated, ``primitive._reshape_misplaced``): eager went on from other values than the program's, even where a
@@ -1685,15 +1687,21 @@ class _EagerDerivations(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        local = False  # an attention on equally batch/head-sharded q, k, v
         if func is F.scaled_dot_product_attention:
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             q, k, v = args[:3]
-            if not self._attends_on_local_shards(q, k, v, mask):
+            local = self._attends_on_local_shards(q, k, v, mask)
+            if not local:
                 self.derived = True
                 # eager's placements are no reference here, and DTensor's CPU strategy search for such a layout ran
                 # for minutes (fuzz seeds 17222, 18367, 18489): eager attends on replicated inputs, the same values
                 args, kwargs = _replicated((args, kwargs))
         out = func(*args, **kwargs)
+        if local and getattr(out, "placements", None) != args[0].placements:
+            # head-sharded q, k, v on a CPU mesh: torch 2.13's strategy derived from the CPU kernel's decomposition
+            # replicates them (fuzz seed 19710), where its CUDA kernels' rules and thunder_dtensor keep the heads
+            self.derived = True
         if func in self._reshapes and not self.derived and _misplaces(args[0] if args else None, out):
             self.derived = True
         return out

@@ -181,6 +181,8 @@ def test_ranks_whose_results_disagree_fail_by_name_instead_of_hanging():
     run = _execute(raises_on_one_rank, lambda: [distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])], None)
     assert isinstance(run.error, RanksDisagree) and run.phase == "forward", run.error
     assert "rank 1: raised ValueError: only here" in str(run.error), run.error
+    # (rank 0 met rank 1's agreement while agreeing on its eager call: the fuzzer's eager run stops after each)
+    assert "rank 0: went on into an eager call;" in str(run.error), run.error
 
 
 @pytest.mark.world_size(2)
@@ -224,6 +226,26 @@ def test_eagers_cpu_placements_of_a_head_sharded_attention_are_no_reference():
             out = F.scaled_dot_product_attention(x, x, x)
         assert eager.derived == (out.placements != (placement,)), (placement, out.placements)
         assert eager.derived == (placement == Shard(1) and torch.__version__.startswith("2.13")), out.placements
+
+
+@pytest.mark.world_size(2)
+def test_an_eager_call_raising_on_some_ranks_stops_every_rank_there():
+    """Seed 20613: ``y.redistribute(S(1))`` of a ``[7, 7]`` value, then ``reshape(49)``. gloo's all-to-all fallback
+    leaves rank 1 a shard eager's reshape cannot view; rank 0 went on into the next collective alone and gloo aborted
+    the run. Every rank now stops at that call, and the compiled modes, which would run or replay eager's reshape on
+    the same shards, are not run."""
+    from thunder_dtensor.testing.fuzz import EagerRaisedOnSomeRanks
+
+    program = generate_program(20613, 2, mesh_shape_for(20613, 2))
+    assert "y.reshape(49)" in program.source()
+    result = run_program(program)
+    if "EagerRaisedOnSomeRanks" not in result.eager_error:  # a torch whose eager runs the program on every rank
+        pytest.skip(f"eager DTensor: {result.eager_error or 'ran'}")
+    assert result.outcome == "eager-rejected" and not result.mode_outcomes and not result.failures, result
+    assert "rank 0: ran; rank 1: raised RuntimeError: view size is not compatible" in result.eager_error
+    with pytest.raises(EagerRaisedOnSomeRanks, match="raised on some ranks only"):  # and the ranks still pair up
+        fuzz_module._stop_together(torch.add, (distribute_tensor(torch.ones(2), mesh_1d(), [Replicate()]),), {},
+                                   RuntimeError("this rank's") if dist.get_rank() == 1 else None)  # fmt: skip
 
 
 @pytest.mark.world_size(2)

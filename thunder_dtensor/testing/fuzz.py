@@ -1697,7 +1697,12 @@ class _EagerDerivations(torch.overrides.TorchFunctionMode):
                 # eager's placements are no reference here, and DTensor's CPU strategy search for such a layout ran
                 # for minutes (fuzz seeds 17222, 18367, 18489): eager attends on replicated inputs, the same values
                 args, kwargs = _replicated((args, kwargs))
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as error:
+            _stop_together(func, args, kwargs, error)
+            raise
+        _stop_together(func, args, kwargs, None)
         if local and getattr(out, "placements", None) != args[0].placements:
             # head-sharded q, k, v on a CPU mesh: torch 2.13's strategy derived from the CPU kernel's decomposition
             # replicates them (fuzz seed 19710), where its CUDA kernels' rules and thunder_dtensor keep the heads
@@ -1735,6 +1740,43 @@ class RanksDisagree(RuntimeError):
     """The ranks' results have different placements: gathering them would hang or mix up collectives."""
 
 
+class EagerRaisedOnSomeRanks(RuntimeError):
+    """An eager DTensor call raised on some ranks only (a shard that the all-to-all fallback left unviewable on one
+    rank, fuzz seeds 18153 and 20613): every rank stops at that call, so none waits in a later collective alone."""
+
+
+class _ForwardEnded(Exception):
+    """Another rank's forward ended (it raised outside a torch call, or its program took fewer calls) while this
+    rank agreed on a call: that round was the forward's agreement (``gathered``), for every rank."""
+
+    def __init__(self, gathered: list) -> None:
+        super().__init__("another rank's forward ended")
+        self.gathered = gathered
+
+
+def _stop_together(func: Callable, args: tuple, kwargs: dict, error: BaseException | None) -> None:
+    """After an eager call on DTensors, the ranks' agreement on whether it raised: where some ranks raised and others
+    did not, every rank raises :class:`EagerRaisedOnSomeRanks` naming each rank's outcome.
+
+    (Before it, the ranks that went on met the first collective of the next call alone, and gloo aborted the run.)
+    A rank whose forward ended meets this round in :func:`_check_ranks_agree`; both read the same gathered list.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    if not any(isinstance(leaf, DTensor) for leaf in tree_leaves((args, kwargs))):
+        return
+    gathered, _ = _agree(("call", None if error is None else _describe_error(error)))
+    if any(kind != "call" for kind, _ in gathered):
+        raise _ForwardEnded(gathered)
+    outcomes = [outcome for _, outcome in gathered]
+    if all(o is None for o in outcomes) or all(o is not None for o in outcomes):
+        return
+    name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+    each = "; ".join(f"rank {r}: {'ran' if o is None else 'raised ' + o}" for r, o in enumerate(outcomes))
+    raise EagerRaisedOnSomeRanks(f"eager DTensor's {name} raised on some ranks only: {each}")
+
+
 def _check_ranks_agree(what: str, state: Any, error: BaseException | None = None) -> None:
     """All-gather each rank's ``state`` (its repr, or its error) and raise on every rank if any rank raised or
     the states differ.
@@ -1743,14 +1785,25 @@ def _check_ranks_agree(what: str, state: Any, error: BaseException | None = None
     went on would leave that one waiting in the next collective (the run hangs, then times out). Where every
     rank raised, each re-raises its own ``error``; otherwise all raise :class:`RanksDisagree`, which names each
     rank's state (each rank decides DTensor's strategies on its own, and a shard's shape can differ by rank).
+    An eager run's ranks that were still agreeing on a call (:func:`_stop_together`) count as neither.
     """
-    mine = ("raised", _describe_error(error)) if error is not None else ("ran", repr(state))
-    gathered, _ = _agree(mine)
+    if isinstance(error, _ForwardEnded):
+        gathered = error.gathered
+    else:
+        gathered, _ = _agree(("raised", _describe_error(error)) if error is not None else ("ran", repr(state)))
     if error is not None and all(kind == "raised" for kind, _ in gathered):
         raise error
     if len(set(gathered)) > 1:
-        states = "; ".join(f"rank {r}: {k if kind == 'ran' else 'raised ' + k}" for r, (kind, k) in enumerate(gathered))
+        states = "; ".join(f"rank {r}: {_rank_state(kind, k)}" for r, (kind, k) in enumerate(gathered))
         raise RanksDisagree(f"{what} differs by rank: {states}")
+
+
+def _rank_state(kind: str, text: str | None) -> str:
+    if kind == "ran":
+        return str(text)
+    if kind == "raised":
+        return f"raised {text}"
+    return "went on into an eager call" + (f" that raised {text}" if text else "")
 
 
 def _describe_error(error: BaseException) -> str:
@@ -2246,6 +2299,10 @@ def run_program(program: Program, mesh: Any = None) -> ProgramResult:
         failures: list[Failure] = []
         first_runs: dict[str, _Run] = {}
         for mode in program.modes:
+            if isinstance(eagers[0].error, EagerRaisedOnSomeRanks):
+                # every mode runs eager's ops on the same shards (lowering off, thunderfx) or replays them at trace
+                # time (the lowering's reshape check): they would diverge as eager did, where no agreement stops them
+                continue
             if MODES[mode] is None and isinstance(eagers[0].error, RanksDisagree):
                 # dynamo's own fake run follows eager's rules on each rank's shards, so it diverges as eager did, in
                 # the middle of the program's collectives (fuzz seed 6176 at 4 ranks: a run's crash)

@@ -9,7 +9,7 @@ from typing import Any, cast
 from thunder_dtensor import _integration as ti
 from thunder_dtensor.executor import dtensor_ex
 from thunder_dtensor.lowering import forward_prims_kept, is_backward, keeping_forward_prims_as_ran
-from thunder_dtensor.primitive import vjp_call_deciding_again
+from thunder_dtensor.primitive import vjp_call_deciding_again, without_unused_vjp_gradients
 from thunder_dtensor.proxy import DTensorProxy, is_zero_cotangent_of
 from thunder_dtensor.spec import DTensorMeta
 
@@ -388,7 +388,10 @@ def propagate_gradient_specs(joint_trace: ti.TraceCtx, zero_cotangents: frozense
     bsyms: list = []
     from_cotangents: set[str] = set(zero_cotangents)  # values computed from cotangents (the linear part)
     zeros: set[str] = set(zero_cotangents)  # ... from zero cotangents only
-    for bsym in cast(list[ti.BoundSymbol], joint_trace.bound_symbols):
+    # each generic vjp asks for the gradients read later only, as eager's autograd does: a gradient nobody reads
+    # (a weight that does not require grad) changes torch's decomposition, which DTensor may then reject for the
+    # cotangent that flows (fuzz seed 20757: a matmul's, replicated, its gradient placed unlike eager's)
+    for bsym in without_unused_vjp_gradients(cast(list[ti.BoundSymbol], joint_trace.bound_symbols)):
         if swap:
             bsym = bsym.from_bsym_swap_proxies(swap)
         stands_for = _propagate_step(bsym, new_trace, bsyms, swap, zeros)

@@ -1013,6 +1013,23 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
             quiet=quiet,
         )
 
+    def vjp_per_input_if_rejected(
+        args: tuple, kwargs: dict, cotangents: tuple, diff_indices: tuple, *, distrust: str | None, quiet: bool
+    ) -> tuple:
+        groups = [diff_indices]
+        if (
+            len(diff_indices) > 1
+            and distrust is None
+            and not _traces(vjp_prim.name, vjp_source, (args, kwargs, cotangents, diff_indices))
+        ):
+            # thunder asks for every input's gradient, read or not; torch decomposes by which inputs require grad
+            # (matmul folds differently), so DTensor may reject the joint call where eager, asked for the
+            # gradients it needs, runs: one call per input, and the backward's pruning drops the unread ones
+            groups = [(i,) for i in diff_indices]
+        return tuple(
+            g for group in groups for g in vjp(args, kwargs, cotangents, group, distrust=distrust, quiet=quiet)
+        )
+
     def distrusted(flat_inputs: list, outs: list, cotangents: tuple) -> str | None:
         # why eager's backward of this op is wrong for these outputs and cotangents (None: it is trusted)
         return _backward_distrusted(flat_inputs, outs, name) or _reshape_gradient_misplaced(
@@ -1031,20 +1048,8 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         if all(c is None for c in cotangents):  # e.g. a comparison: nothing flows back
             return out
         distrust = distrusted(flat_inputs, outs, cotangents)
-        groups = [diff_indices]
-        if (
-            len(diff_indices) > 1
-            and distrust is None
-            and not _traces(vjp_prim.name, vjp_source, (args, kwargs, cotangents, diff_indices))
-        ):
-            # thunder asks for every input's gradient, read or not; torch decomposes by which inputs require grad
-            # (matmul folds differently), so DTensor may reject the joint call where eager, asked for the
-            # gradients it needs, runs: one call per input, and the backward's pruning drops the unread ones
-            groups = [(i,) for i in diff_indices]
         # provisional: decided on stand-ins for the cotangents, again on those that flow (``decide_again``)
-        grads = tuple(
-            g for group in groups for g in vjp(args, kwargs, cotangents, group, distrust=distrust, quiet=True)
-        )
+        grads = vjp_per_input_if_rejected(args, kwargs, cotangents, diff_indices, distrust=distrust, quiet=True)
         if all(grad is None for grad in grads):
             # torch's backward leaves every gradient undefined (a norm with ord=0), yet its output requires
             # grad: a kept no-op gives thunder a backward, so `backward()` runs and leaves `.grad` None
@@ -1065,7 +1070,10 @@ def _register_generic_vjp(record: PrimRecord, name: str) -> None:
         finally:
             trace.pop_scope()
         flat_inputs, _ = ti.torch_tree_flatten((args, kwargs))
-        return vjp(args, kwargs, cotangents, diff_indices, distrust=distrusted(flat_inputs, outs, cotangents))
+        # per input where the joint call is rejected, as the grad rule decided on stand-ins (fuzz seed 20757: a
+        # matmul's cotangent placed S(0) over an uneven batch, which only a call with the weight's gradient folds)
+        distrust = distrusted(flat_inputs, outs, cotangents)
+        return vjp_per_input_if_rejected(args, kwargs, cotangents, diff_indices, distrust=distrust, quiet=False)
 
     ti.register_grad(prim, grad_rule)
     record.grad_rule = record.generic_grad_rule = grad_rule

@@ -1868,3 +1868,22 @@ def test_attention_of_a_transposed_sequence_sharded_value(lowering):
     wrong in both modes, silently; eager was right."""
     case = DTensorCase(_transposed_self_attention, [make_full((8, 2, 2, 8), seed=270)], [[Shard(3)]])
     run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_a_gradient_nobody_reads_leaves_the_matmul_backward_as_eager_runs_it(lowering):
+    """Fuzz seed 20757: ``o @ x`` with ``o`` not requiring grad, its cotangent placed ``S(0)`` over an uneven batch
+    (3 rows on 2 ranks). Asked for ``o``'s gradient too, torch folds the batch into one matmul, whose backward
+    DTensor cannot flatten: the vjp ran replicated (with a warning), and ``x.grad`` was placed ``Partial`` or as
+    ``x`` where eager's is ``S(0)``. Each vjp now asks for the gradients read later only, as eager's autograd."""
+
+    def fn(o: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return (o @ x) * g
+
+    inputs = [make_full((6, 4), seed=40), make_full((3, 4, 4), seed=41), make_full((3, 6, 4), seed=42)]
+    placements = [[Shard(0)], [Shard(2)], [Shard(0)]]
+    case = DTensorCase(fn, inputs, placements, requires_grad=[False, True, False], mesh=mesh_1d())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedFallbackWarning)
+        run_case(case, jit_kwargs={"dtensor_lowering": lowering})

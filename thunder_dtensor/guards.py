@@ -672,7 +672,9 @@ class BackwardForCotangentPlacements:
             else:
                 specs[name] = ti.make_spec(spec.mesh, placements, spec.tensor_meta)
         try:
-            joint = joint_for_cotangent_specs(self.joint, specs, frozenset(zeros))
+            # under the function's options (dtensor_replicated_fallback=False was ignored here)
+            with ti.under_compile_data(self._compile_data, self._compile_stats):
+                joint = joint_for_cotangent_specs(self.joint, specs, frozenset(zeros))
             with keeping_forward_prims_as_ran(self.kept_forward):
                 forward, backward = ti.compile_joint_trace(
                     joint, self._compile_data, self._compile_stats, self._cache_info

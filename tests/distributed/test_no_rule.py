@@ -137,6 +137,32 @@ def test_the_replicated_fallback_can_be_turned_off():
     assert "hint:" in message and "dtensor_replicated_fallback=False" in message
 
 
+@pytest.mark.world_size(2)
+def test_the_replicated_fallback_stays_off_in_a_backward_traced_for_other_cotangents():
+    """A backward traced again at its first call, for a cotangent placed otherwise than traced (``S(0)``, not the
+    output's ``S(1)``), ran without the function's options: ``dtensor_replicated_fallback=False`` was ignored there
+    and the matmul's vjp ran replicated, with its warning. It now raises inside that retrace, which falls back to
+    the traced placements, as announced (``CotangentPlacementWarning``)."""
+    from thunder_dtensor.guards import CotangentPlacementWarning
+
+    mesh = mesh_1d()
+    o = distribute_tensor(make_full((6, 4), seed=5), mesh, [Shard(0)]).requires_grad_()
+    x = distribute_tensor(make_full((3, 4, 4), seed=6), mesh, [Shard(2)]).requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = thunder.jit(lambda o, x: o @ x, dtensor_replicated_fallback=False)(o, x)
+        assert y.placements == (Shard(1),)
+        y.backward(distribute_tensor(make_full((3, 6, 4), seed=7), mesh, [Shard(0)]))
+    kinds = [type(w.message) for w in caught]
+    assert ReplicatedFallbackWarning not in kinds and CotangentPlacementWarning in kinds, kinds
+    retrace = next(str(w.message) for w in caught if isinstance(w.message, CotangentPlacementWarning))
+    assert "DTensorOpError" in retrace and "Tensor_matmul_vjp" in retrace, retrace
+    full_x, full_o = make_full((3, 4, 4), seed=6).requires_grad_(), make_full((6, 4), seed=5).requires_grad_()
+    (full_o @ full_x).backward(make_full((3, 6, 4), seed=7))
+    torch.testing.assert_close(x.grad.full_tensor(), full_x.grad)
+    torch.testing.assert_close(o.grad.full_tensor(), full_o.grad)
+
+
 @pytest.mark.world_size(2, 4)
 def test_reshape_of_an_unevenly_sharded_dim_runs_replicated():
     """DTensor refuses to unflatten an unevenly sharded dim; the plain reshape of the gathered tensor runs."""

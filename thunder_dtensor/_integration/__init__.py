@@ -203,6 +203,7 @@ from thunder_dtensor._integration.compile_pipeline import (
     process_group_size,
     torch_tree_map,
     trace_aten_graph,
+    under_compile_data,
 )
 from thunder_dtensor._integration.context_parallel import (
     context_parallel_dispatch_enabled,
@@ -419,6 +420,7 @@ __all__ += [
     "sharded_unevenly",
     "compile_joint_trace",
     "current_cache_info",
+    "under_compile_data",
     "context_parallel_dispatch_enabled",
     "current_compile_context",
     "decompositions_dtensor_lacks",

@@ -378,6 +378,16 @@ def _call_recorded_as(cache_info: dict | None) -> Iterator[None]:
         thunder._cache_info_ctx.reset(token)
 
 
+@contextlib.contextmanager
+def under_compile_data(compile_data: Any, compile_stats: Any) -> Iterator[None]:
+    """Run under a jitted function's compile data (its options, ``get_compile_option``) outside its compile: a
+    backward traced again when it is first called, for cotangents placed otherwise."""
+    from thunder.core.compile_data import compile_data_and_stats
+
+    with compile_data_and_stats(compile_data, compile_stats):
+        yield
+
+
 def compile_joint_trace(
     joint: TraceCtx, compile_data: Any, compile_stats: Any, cache_info: dict | None = None
 ) -> tuple[TraceCtx, TraceCtx]:

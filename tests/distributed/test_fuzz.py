@@ -222,8 +222,8 @@ def test_eagers_cpu_placements_of_a_head_sharded_attention_are_no_reference(monk
     mesh = mesh_1d()
     for eager_output in ([Replicate()], [Shard(1)]):
 
-        def attention_as_eager_places_it(q, k, v, *args, **kwargs):
-            return distribute_tensor(torch.zeros(q.shape), mesh, eager_output)
+        def attention_as_eager_places_it(q, k, v, *args, placements=eager_output, **kwargs):
+            return distribute_tensor(torch.zeros(q.shape), mesh, placements)
 
         monkeypatch.setattr(F, "scaled_dot_product_attention", attention_as_eager_places_it)
         x = distribute_tensor(torch.randn(4, 2, 6, 8), mesh, [Shard(1)])

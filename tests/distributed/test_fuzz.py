@@ -247,6 +247,8 @@ def test_an_eager_call_raising_on_some_ranks_stops_every_rank_there():
         pytest.skip(f"eager DTensor: {result.eager_error or 'ran'}")
     assert result.outcome == "eager-rejected" and not result.mode_outcomes and not result.failures, result
     assert "rank 0: ran; rank 1: raised RuntimeError: view size is not compatible" in result.eager_error
+    counts = fuzz_module.FuzzSummary(2, [result]).counts()
+    assert counts["eager-rejected/not-compiled"] == 1 and counts["eager-rejected/thunder-DTensorOpError"] == 0
     with pytest.raises(EagerRaisedOnSomeRanks, match="raised on some ranks only"):  # and the ranks still pair up
         fuzz_module._stop_together(torch.add, (distribute_tensor(torch.ones(2), mesh_1d(), [Replicate()]),), {},
                                    RuntimeError("this rank's") if dist.get_rank() == 1 else None)  # fmt: skip

@@ -2422,7 +2422,9 @@ class FuzzSummary:
             "refused-like-plain-thunder" in r.mode_outcomes.values() for r in self.results
         )
         for r in self.results:
-            if r.outcome == "eager-rejected":
+            if r.outcome == "eager-rejected" and not r.mode_outcomes:  # eager raised on some ranks only
+                counts["eager-rejected/not-compiled"] += 1
+            elif r.outcome == "eager-rejected":
                 ran = any(o == "matched" for o in r.mode_outcomes.values())
                 counts[
                     "eager-rejected/thunder-ran-and-matched" if ran else "eager-rejected/thunder-DTensorOpError"
@@ -2455,7 +2457,8 @@ class FuzzSummary:
             f"passed={c['passed']} (values only, eager's placements derived or misplaced: {c['values-only']}) "
             f"eager-rejected={c['eager-rejected']} "
             f"(thunder DTensorOpError={c['eager-rejected/thunder-DTensorOpError']}, "
-            f"thunder ran and matched={c['eager-rejected/thunder-ran-and-matched']}) "
+            f"thunder ran and matched={c['eager-rejected/thunder-ran-and-matched']}, "
+            f"not compiled, eager raised on some ranks only={c['eager-rejected/not-compiled']}) "
             f"(thunderfx ran {c['thunderfx']}; thunder.jit refused a read of data as plain thunder does: "
             f"{c['refused-like-plain-thunder']}) failed={c['failed']} "
             f"(upstream={len(self.failed) - len(self.failed_here)}) | "

@@ -399,12 +399,11 @@ def compile_joint_trace(
     ``del_last_used`` and the function's post-optimization transforms on the backward. ``cache_info``: what
     :func:`current_cache_info` gave when the joint trace was made (a factory, ``torch.arange``, reads it again).
     """
-    from thunder.core.compile_data import compile_data_and_stats
     from thunder.distributed.utils import maybe_sort_waits
     from thunder.executors.passes import _transform_for_operator_executor_execution, del_last_used
     from thunder.transforms.autodiff import split_into_forward_and_backward
 
-    with compile_data_and_stats(compile_data, compile_stats), _call_recorded_as(cache_info):
+    with under_compile_data(compile_data, compile_stats), _call_recorded_as(cache_info):
         executors = compile_data.executors_list
         claimed = _transform_for_operator_executor_execution(joint, executors)
         sorted_waits, claimed = maybe_sort_waits(claimed)

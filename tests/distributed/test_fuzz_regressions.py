@@ -1887,3 +1887,24 @@ def test_a_gradient_nobody_reads_leaves_the_matmul_backward_as_eager_runs_it(low
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicatedFallbackWarning)
         run_case(case, jit_kwargs={"dtensor_lowering": lowering})
+
+
+def _linear_of_an_expanded_activation(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(y.expand(-1, -1, 4), w)
+
+
+@pytest.mark.world_size(2)
+@LOWERING
+def test_a_linear_of_an_expanded_partial_activation_is_placed_as_eager_places_it(lowering):
+    """Fuzz seed 19748 (4 ranks; here its 1-D form): ``F.linear`` of a value expanded along its last dim, placed
+    ``Partial(avg)``, with a ``Partial(sum)`` weight. Eager's matmul folds the batch into one ``mm`` and reduces
+    the smaller weight: ``Partial(avg)``. The lowering traced DTensor's dispatch under the Python dispatcher, whose
+    matmul decomposition does not fold a value whose last dim is expanded: a broadcast ``bmm`` whose reduced
+    activation gave ``Partial(sum)`` (values right)."""
+    inputs = [make_full((4, 5, 1), seed=280), make_full((12, 4), seed=281)]
+    placements = [[Partial("avg")], [Partial()]]
+    # (a weight that requires grad makes both decompositions fold)
+    case = DTensorCase(
+        _linear_of_an_expanded_activation, inputs, placements, requires_grad=[False, False], mesh=mesh_1d()
+    )
+    run_case(case, jit_kwargs={"dtensor_lowering": lowering})

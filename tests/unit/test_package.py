@@ -1,5 +1,6 @@
 """Package-level guarantees: import order, stable prim names, declared versions."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -184,6 +185,30 @@ def test_aten_recorder_gives_make_fx_graphs_and_leaves_special_calls_to_make_fx(
     graph = _integration.trace_aten_graph(with_literal, inputs)
     assert torch.ops.aten.lift_fresh_copy.default in [n.target for n in graph.nodes]
     assert any(n.op == "get_attr" for n in graph.nodes)
+
+
+def test_aten_recorder_decomposes_as_aten_does_not_as_the_python_dispatcher_would():
+    # an input expanded along its last dim: ATen's matmul folds its batch dims into one mm (they merge), torch's
+    # Python decomposition, which the Python dispatcher runs, broadcasts a bmm instead; eager DTensor runs
+    # ATen's, and a traced decomposition that differs places the result otherwise (fuzz seed 19748)
+    from torch._dispatch.python import enable_python_dispatcher
+
+    inputs = [
+        ((4, 5, 1), (5, 1, 1), torch.float32, torch.device("cpu")),
+        ((12, 4), (4, 1), torch.float32, torch.device("cpu")),
+    ]
+
+    def linear_of_expanded(y, w):
+        return [torch.nn.functional.linear(y.expand(-1, -1, 4), w)]
+
+    expected = _integration.make_fx(linear_of_expanded, tracing_mode="fake")(
+        *[torch.empty_strided(shape, stride) for shape, stride, _, _ in inputs]
+    ).graph
+    assert torch.ops.aten.mm.default in [n.target for n in expected.nodes]
+    for ambient in (contextlib.nullcontext, enable_python_dispatcher):  # (a caller's Python dispatcher too)
+        with ambient():
+            recorded = _integration.trace_aten_graph(linear_of_expanded, inputs)
+        assert _graph_ops(recorded) == _graph_ops(expected), ambient
 
 
 _OFFSET = 0.25  # a global read by the jitted program below

@@ -81,7 +81,7 @@ Private torch names used (checked on torch 2.13, the range ``TORCH_TESTED_RANGE`
 ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, ``torch._subclasses.fake_tensor``
 (``FakeTensorMode``, its exceptions and logger), ``torch._library.fake_class_registry.FakeScriptObject``,
 ``torch.utils._pytree``, ``torch._C._is_alias_of``, ``torch.utils._python_dispatch.TorchDispatchMode`` (autocast, the
-lowering's ATen recorder) and ``autograd_would_have_decomposed``, ``torch._dispatch.python.enable_python_dispatcher``,
+lowering's ATen recorder) and ``autograd_would_have_decomposed``, ``torch._dispatch.python.no_python_dispatcher``,
 ``torch.fx.experimental.proxy_tensor`` (``make_fx``, ``disable_proxy_modes_tracing``),
 ``torch.distributed.distributed_c10d._resolve_process_group`` (a group's size by its name).
 """

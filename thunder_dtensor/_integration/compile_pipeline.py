@@ -28,7 +28,7 @@ import torch
 # ---------------------------------------------------------------------------------------------------------
 from thunder.core.compile_data import get_compile_option  # noqa: E402, F401  (re-exported for the lowering package)
 from thunder.core.trace import TraceProvenance  # noqa: E402, F401  (re-exported for the lowering package)
-from torch._dispatch.python import enable_python_dispatcher  # noqa: E402
+from torch._dispatch.python import no_python_dispatcher  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed  # noqa: E402
@@ -115,7 +115,18 @@ _CALLS_MAKE_FX_TRACES_SPECIALLY = {torch.ops.aten.lift_fresh.default, torch.ops.
 def trace_aten_graph(fn: Callable[..., list], inputs: list[tuple]) -> torch.fx.Graph:
     """The ATen graph of ``fn`` on fake tensors of ``inputs`` ((shape, stride, dtype, device) each), as
     ``make_fx(fn, tracing_mode="fake")`` records it. ``fn`` returns a list of tensors (or None); it may be
-    called twice (the second time under ``make_fx``, when the light recorder stops)."""
+    called twice (the second time under ``make_fx``, when the light recorder stops).
+
+    Both record without the Python dispatcher, a caller's too (``make_fx`` enables it for symbolic tracing only):
+    eager DTensor runs ATen's own kernels of the CompositeImplicit ops, and torch's Python decompositions decide
+    otherwise (matmul's folds a batch into one ``mm`` only when its input is contiguous, ATen's whenever the batch
+    dims merge), so DTensor would place the result otherwise than eager does (fuzz seed 19748).
+    """
+    with no_python_dispatcher():
+        return _record_aten_graph(fn, inputs)
+
+
+def _record_aten_graph(fn: Callable[..., list], inputs: list[tuple]) -> torch.fx.Graph:
     mode = _trace_time_fake_mode()
     recorder = _AtenGraphRecorder()
     with mode:
@@ -124,7 +135,7 @@ def trace_aten_graph(fn: Callable[..., list], inputs: list[tuple]) -> torch.fx.G
         recorder.record(fake, recorder.graph.placeholder(f"arg{i}_1"))
     _RECORDERS.append(recorder)
     try:
-        with enable_python_dispatcher(), mode, recorder:
+        with mode, recorder:
             outs = fn(*fakes)
         if recorder.stopped is None:  # (a stop that the traced code caught still stops)
             recorder.graph.output([None if o is None else recorder.node_for(o) for o in outs])

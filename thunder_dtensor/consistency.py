@@ -86,23 +86,37 @@ def describe_op(bsym: ti.BoundSymbol) -> str:
     return f"{bsym.sym.name}({ins}) -> ({outs})"
 
 
-#: lowered symbols that issue no communication: a wait only blocks until its collective is done, and its
-#: place legitimately differs by rank (each is placed before the first use, and with uneven shards a rank's
-#: local program may use the gathered value earlier); the order collectives are issued in is what must agree
-_ISSUE_NO_COMMUNICATION = frozenset({"wait_tensor"})
+#: lowered symbols that issue no communication and whose presence or place legitimately differs by rank: a wait
+#: only blocks until its collective is done (each is placed before the first use, and with uneven shards a rank's
+#: local program may use the gathered value earlier); ``issued_before`` keeps in the forward the collectives no
+#: forward output of this rank reads (a causal ring's step whose chunk this rank does not attend: rank 0 has it,
+#: the last rank not). The order collectives are issued in is what must agree
+_ISSUE_NO_COMMUNICATION = frozenset({"wait_tensor", "issued_before"})
+
+
+#: the lowered program's boundary: it issues no communication, and a rank's local program may put it elsewhere
+#: among the collectives (an uneven shard's rank wraps a value before an all-gather another rank issues first:
+#: fuzz seed 8443 under thunderfx), so it is compared as a set of global specs, not in order
+_BOUNDARY = frozenset({"unwrap_dtensor", "wrap_dtensor", "local_contiguous"})
 
 
 def program_ops(traces: Sequence[tuple[str, Any]]) -> list[str]:
-    """The dtensor ops of ``(label, trace)`` pairs, in execution order, each prefixed with its label."""
-    ops = []
+    """The dtensor ops of ``(label, trace)`` pairs, each prefixed with its label: per trace, the communicating ops
+    (collectives, prims run as eager DTensor ops) in execution order, then the boundary ops sorted."""
+    ops: list[str] = []
     for label, trace in traces:
         if trace is None:
             continue
+        boundary: list[str] = []
         for bsym in trace.bound_symbols:
             if bsym.sym.name in _ISSUE_NO_COMMUNICATION:
                 continue
             if getattr(bsym.sym, "executor", None) in (dtensor_ex, dtensor_comm_ex):
-                ops.append(f"{label}: {describe_op(bsym)}")
+                in_boundary = bsym.sym.name in _BOUNDARY
+                (boundary if in_boundary else ops).append(
+                    f"{label}{' boundary' if in_boundary else ''}: {describe_op(bsym)}"
+                )
+        ops += sorted(boundary)
     return ops
 
 

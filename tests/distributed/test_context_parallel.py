@@ -9,7 +9,7 @@ torch), it is compared with eager as well.
 import contextlib
 import copy
 
-from thunder_dtensor import DTensorOpError
+from thunder_dtensor import DTensorOpError, consistency
 from thunder_dtensor.ops.no_rule import ReplicatedFallbackWarning
 from thunder_dtensor.testing import (
     DTensorCase,
@@ -63,9 +63,12 @@ def _attention(causal: bool):
 @pytest.mark.world_size(2, 4)
 @pytest.mark.parametrize("rotate", list(ROTATIONS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sequence_sharded_attention_is_a_ring(causal, rotate):
+def test_sequence_sharded_attention_is_a_ring(causal, rotate, monkeypatch):
     """Values and gradients equal plain attention; outputs and gradients stay sequence-sharded; the lowered
-    programs show local flash-kernel calls and the rotation's collective, forward and backward."""
+    programs show local flash-kernel calls and the rotation's collective, forward and backward. The ranks issue
+    the same collectives (the opt-in rank-consistency check, which ignored a causal ring's ``issued_before``
+    only on ranks that do not attend a step's chunk until it was taught that it issues no communication)."""
+    monkeypatch.setenv(consistency.ENV_VAR, "1")
     q, k, v = (make_full((2, 4, 16, 8), seed=s) for s in (1, 2, 3))
     case = DTensorCase(_attention(causal), [q, k, v], [[Shard(2)]] * 3)
     with rotation(rotate):

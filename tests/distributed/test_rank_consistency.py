@@ -48,8 +48,31 @@ def test_uneven_shards_agree(monkeypatch, gathers):
         (("forward", thunder.last_traces(jfn)[-1]), ("backward", thunder.last_backward_traces(jfn)[-1]))
     )
     # lowered: the boundary with global specs (never local shapes) and any collective by kind and mesh dim
-    assert any(op.startswith("forward: unwrap_dtensor(f32[5, 3] (Shard(dim=0))") for op in ops), ops
+    assert any(op.startswith("forward boundary: unwrap_dtensor(f32[5, 3] (Shard(dim=0))") for op in ops), ops
     assert any(op.startswith("backward: ") for op in ops), ops
+
+
+@pytest.mark.world_size(2)
+def test_a_boundary_a_rank_places_elsewhere_among_its_collectives_agrees(monkeypatch, gathers):
+    """Fuzz seed 8443 under thunderfx: a (5, 21) value redistributed to ``Shard(0)`` (3 rows and 2), then a read of
+    row 0. Rank 0 wrapped the redistributed DTensor after its all-gather, rank 1 before it: the same collectives in
+    the same order, but the check compared the boundary's place too and raised on a program that runs. The
+    boundary issues no communication: it is compared by its global specs, in any order."""
+    from thunder.dynamo import thunderfx
+
+    monkeypatch.setenv(consistency.ENV_VAR, "1")
+    mesh = mesh_1d()
+
+    def fn(x, w):
+        y = x.view(5, 21).redistribute(mesh, [Shard(0)])
+        return torch.nn.functional.linear(y, w), y[0].sum().item()
+
+    x_full, w_full = make_full((5, 3, 7), seed=0), make_full((4, 21), seed=1)
+    x, w = (distribute_tensor(t, mesh, [Replicate()]) for t in (x_full, w_full))
+    out, first_row = thunderfx(fn)(x, w)
+    torch.testing.assert_close(out.full_tensor(), x_full.view(5, 21) @ w_full.T)
+    assert first_row == pytest.approx(x_full.view(5, 21)[0].sum().item())
+    assert out.placements == (Shard(0),) and gathers, (out.placements, gathers)
 
 
 @pytest.mark.world_size(2, 4)
@@ -69,7 +92,7 @@ def test_rank_dependent_trace_raises_on_every_rank(monkeypatch, gathers, lowerin
         thunder.jit(diverging, dtensor_lowering=lowering)(x)
     message = str(info.value)
     if lowering:  # rank 0 gathers where the others go on: the collective itself is named
-        assert "first difference at op #1 of the program (forward)" in message, message
+        assert "first difference at op #0 of the program (forward" in message, message
         assert "rank 0: forward: all_gather_into_tensor(mesh_dim=0, f32)" in message, message
     else:
         assert "first difference at op #0 of the program (forward)" in message, message

@@ -178,6 +178,9 @@ def call_partials_outside_the_interpreter() -> None:
 _SUBSCRIPTED_CONTAINERS = (dict, list, tuple)
 _SEARCHED_CONTAINERS = (dict, list, tuple, set, frozenset, str)
 _UNPACKED_SEQUENCES = (list, tuple)
+#: builtin ``==`` implementations (identity, and str / int / float / bytes values, subclasses and enums with these
+#: mixins included): no side effect, a plain bool or NotImplemented
+_PLAIN_EQUALITIES = (object.__eq__, str.__eq__, int.__eq__, float.__eq__, bytes.__eq__)
 #: whether the direct paths are taken (:func:`thunders_own_interpreter_paths` turns them off)
 _DIRECT_PATHS = [True]
 
@@ -264,9 +267,10 @@ def run_interpreter_helpers_directly() -> None:
     through the same dispatch (``_interpret_call``), on the same wrapped values: the container type's own
     ``__getitem__`` / ``__contains__`` / ``update`` / ``extend`` (which the interpreter hands to its
     provenance-tracking lookasides), the method's ``__func__`` with its ``__self__``. So values, provenance
-    and prologues are the ones thunder's helpers give. Other types, interpretation without provenance tracking
-    and a recorded interpreter history take thunder's path. Each code object is also disassembled once
-    (:func:`_dis_disassembling_once_per_code`).
+    and prologues are the ones thunder's helpers give. ``k in`` a list or tuple is Python's own ``in`` where
+    every ``==`` it makes is a builtin one (see ``search_plain_sequence``). Other types, interpretation
+    without provenance tracking and a recorded interpreter history take thunder's path. Each code object is
+    also disassembled once (:func:`_dis_disassembling_once_per_code`).
     """
     import inspect
 
@@ -314,16 +318,44 @@ def run_interpreter_helpers_directly() -> None:
             return value
         return interpreter.check_and_append(stack, value)
 
+    def plainly_compared(value: Any) -> bool:
+        equality = type(value).__eq__
+        return any(equality is plain for plain in _PLAIN_EQUALITIES)
+
+    def search_plain_sequence(container: Any, candidate: Any, negated: bool) -> Any:
+        """``candidate in container`` (``not in`` if ``negated``) for a list or tuple whose items and candidate
+        compare plainly, or None.
+
+        thunder's sequence ``__contains__`` interprets ``any(i == k for i in s)`` (a generator frame and a
+        comparison per item, about 20 ms for a pair on the first call of transformers' models); where every
+        ``==`` involved is a builtin comparison or identity, Python's own ``in`` gives the same bool. The items
+        are tracked first (thunder's wrapping, which may turn an input's items into proxies: those take thunder's
+        path), and the result gets the provenance thunder gives a dict's ``in``."""
+        if not plainly_compared(candidate.value):
+            return None
+        container.track_items()
+        items = [wrapper.value for wrapper in container.item_wrappers or ()]
+        if len(items) != len(container.value) or not all(map(plainly_compared, items)):
+            return None
+        record = interpreter.ProvenanceRecord(
+            interpreter.PseudoInst.CONTAINS_OP, inputs=[container.provenance, candidate.provenance]
+        )
+        return interpreter.wrap((candidate.value in items) != negated, provenance=record)
+
     def contains(inst: Any, /, stack: Any, **kwargs: Any) -> Any:
         if not (top_is(stack, 1, _SEARCHED_CONTAINERS) and direct()):
             return thunder_contains(inst, stack=stack, **kwargs)
         container = stack.pop_wrapped()
         candidate = stack.pop_wrapped()
-        found = call_method(type(container.value).__contains__, container, candidate)
-        if found is not raised and inst.arg == 1:  # ``not in``, negated as thunder's handler does
-            found = interpreter._interpret_call(lambda result: not result, found)
-        if found is raised:
-            return found
+        found = None
+        if type(container.value) in _UNPACKED_SEQUENCES:
+            found = search_plain_sequence(container, candidate, negated=inst.arg == 1)
+        if found is None:
+            found = call_method(type(container.value).__contains__, container, candidate)
+            if found is not raised and inst.arg == 1:  # ``not in``, negated as thunder's handler does
+                found = interpreter._interpret_call(lambda result: not result, found)
+            if found is raised:
+                return found
         stack.append(found)
         return None
 

@@ -10,13 +10,16 @@ differs per rank) at trace time gives ranks different programs.
 With the variable set, each time thunder.jit finishes a program (forward and backward traces) every rank
 describes its dtensor ops with global-level specs only (placements, global shape, dtype, mesh shape and dim
 names; never local shapes, which legitimately differ with uneven shards, nor rank lists, which differ on a
-sub-mesh), hashes the description and all-gathers the hash over the default process group. Only on a
+sub-mesh), hashes the description and all-gathers the hash over the default process group, or, for a program
+on one mesh of some ranks only (a pipeline stage's), over that mesh's groups. Only on a
 mismatch are the full descriptions gathered, and every rank raises :class:`CollectiveMismatchError` naming
 the first differing position and each rank's op there. Both gathers are made by every rank (the decision to
 gather again is taken from the same gathered hashes), so no rank is left blocked in a collective.
 
-Limits: the check gathers over the default process group, so every rank of it must compile the program
-(not, e.g., only the ranks of a sub-mesh); programs with neither DTensor inputs nor dtensor ops are not
+Limits: every rank of the group gathered over must compile the program: every rank of the default group for
+a program on the whole world or on several meshes, every rank of the mesh for a program on one mesh of some
+ranks (not a program compiled on some ranks of its mesh only); programs with neither DTensor inputs nor dtensor
+ops are not
 checked (a rank-0-only plain program must not block). A rank that hits thunder's cache while another
 retraces is not detected (it gathers nothing).
 """
@@ -120,32 +123,58 @@ def program_ops(traces: Sequence[tuple[str, Any]]) -> list[str]:
     return ops
 
 
-def _all_gather(obj: Any) -> list:
-    """``obj`` from every rank of the default process group (a hook for tests)."""
+def _all_gather(obj: Any, mesh: Any = None) -> dict[int, Any]:
+    """``obj`` from every rank of ``mesh`` (or of the default process group), by global rank (a hook for tests).
+
+    Over a mesh, one gather per mesh dim, each over that dim's group (groups the mesh made already; a new group
+    would need every rank of the world): after the last, every rank of the mesh holds every rank's ``obj``. So
+    ranks that compile different programs on disjoint sub-meshes (pipeline stages) are never paired."""
     import torch.distributed as dist
 
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
+    gathered: dict[int, Any] = {dist.get_rank(): obj}
+    groups = [None] if mesh is None else [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    for group in groups:
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, gathered, group=group)
+        gathered = {rank: value for part in parts for rank, value in part.items()}
+    return dict(sorted(gathered.items()))
 
 
-def _first_difference(sequences: list[list[str]]) -> tuple[str, dict[int, str]]:
-    longest = max(len(s) for s in sequences)
+def _first_difference(sequences: dict[int, list[str]]) -> tuple[str, dict[int, str]]:
+    longest = max(len(s) for s in sequences.values())
     for i in range(longest):
-        at_i = {rank: (s[i] if i < len(s) else "<end of program>") for rank, s in enumerate(sequences)}
+        at_i = {rank: (s[i] if i < len(s) else "<end of program>") for rank, s in sequences.items()}
         if len(set(at_i.values())) > 1:
             labels = {op.split(":", 1)[0] for op in at_i.values() if op != "<end of program>"}
             return f"op #{i} of the program ({'/'.join(sorted(labels))})", at_i
     raise AssertionError("sequences differ in their hashes but not in their ops")
 
 
-def check_ops_agree(ops: list[str]) -> None:
-    """All-gather a hash of ``ops``; on a mismatch, gather the ops and raise on every rank."""
+def check_ops_agree(ops: list[str], mesh: Any = None) -> None:
+    """All-gather a hash of ``ops`` over ``mesh`` (or the default process group); on a mismatch, gather the ops
+    and raise on every rank."""
     digest = hashlib.sha256("\n".join(ops).encode()).hexdigest()
-    if len(set(_all_gather(digest))) == 1:
+    if len(set(_all_gather(digest, mesh).values())) == 1:
         return
-    position, ops_by_rank = _first_difference(_all_gather(ops))
+    position, ops_by_rank = _first_difference(_all_gather(ops, mesh))
     raise CollectiveMismatchError(position, ops_by_rank)
+
+
+def _sub_mesh(trace: Any) -> Any:
+    """The one device mesh of the trace's DTensors where it holds only some ranks of the world (a pipeline
+    stage's), else None: the default process group is then the one every rank compiling the program is in."""
+    import torch.distributed as dist
+
+    meshes = {
+        p.device_mesh
+        for bsym in trace.bound_symbols
+        for p in (*bsym.flat_args, *bsym.flat_outs)
+        if isinstance(p, DTensorProxy)
+    }
+    if len(meshes) != 1:
+        return None
+    (mesh,) = meshes
+    return mesh if mesh.size() < dist.get_world_size() else None
 
 
 def check_compiled_program(computation_trace: Any, backward_trace: Any) -> None:
@@ -159,4 +188,4 @@ def check_compiled_program(computation_trace: Any, backward_trace: Any) -> None:
     ops = program_ops((("forward", computation_trace), ("backward", backward_trace)))
     inputs, _ = ti.tree_flatten(computation_trace.args)
     if ops or any(isinstance(a, DTensorProxy) for a in inputs):
-        check_ops_agree(ops)
+        check_ops_agree(ops, _sub_mesh(computation_trace))

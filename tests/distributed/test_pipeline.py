@@ -11,7 +11,7 @@ import contextlib
 import copy
 from collections.abc import Callable
 
-from thunder_dtensor import fixes
+from thunder_dtensor import consistency, fixes
 from thunder_dtensor.testing.llama import Llama, LlamaConfig, llama_loss
 from thunder_dtensor.testing.training import COMPILERS, PARITY_TOL, assert_grads_match
 
@@ -167,8 +167,11 @@ def test_interleaved_stages_train_like_one_process():
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("compiler", sorted(COMPILERS))
-def test_pipeline_over_tensor_parallel_stages_trains_like_one_process(compiler):
-    """A 2x2 ("pp", "tp") mesh: two stages, each an MLP block sharded column / row over its tp pair."""
+def test_pipeline_over_tensor_parallel_stages_trains_like_one_process(compiler, monkeypatch):
+    """A 2x2 ("pp", "tp") mesh: two stages, each an MLP block sharded column / row over its tp pair. With the
+    rank-consistency check on: each stage's program is checked over its tp pair (over the default group, the
+    stages' different programs raised on one pair and left the other waiting in the gather)."""
+    monkeypatch.setenv(consistency.ENV_VAR, "1")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
     _two_stages_over(mesh, lambda block: parallelize_module(block, mesh["tp"], plan), compiler)
@@ -176,12 +179,14 @@ def test_pipeline_over_tensor_parallel_stages_trains_like_one_process(compiler):
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("compiler", sorted(COMPILERS))
-def test_pipeline_over_fsdp2_stages_trains_like_one_process(compiler):
-    """A 2x2 ("pp", "dp") mesh: each stage fully sharded over its dp pair, each dp rank on half the batch.
+def test_pipeline_over_fsdp2_stages_trains_like_one_process(compiler, monkeypatch):
+    """A 2x2 ("pp", "dp") mesh: each stage fully sharded over its dp pair, each dp rank on half the batch (the
+    rank-consistency check on: each stage's program is checked over its dp pair).
 
     Regression (thunderfx): a later micro-batch reaches the stage while FSDP2 holds its parameters unsharded
     (plain tensors, between the first micro-batch's forward and its backward); the call must still count as a
     DTensor program's, or thunder's plain thunderfx path runs (and fails on torch 2.13)."""
+    monkeypatch.setenv(consistency.ENV_VAR, "1")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     shard = lambda block: fully_shard(block, mesh=mesh["dp"])
     _two_stages_over(mesh, shard, compiler, dp_rank=mesh.get_local_rank("dp"), dp_size=2)

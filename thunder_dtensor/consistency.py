@@ -19,8 +19,7 @@ gather again is taken from the same gathered hashes), so no rank is left blocked
 Limits: every rank of the group gathered over must compile the program: every rank of the default group for
 a program on the whole world or on several meshes, every rank of the mesh for a program on one mesh of some
 ranks (not a program compiled on some ranks of its mesh only); programs with neither DTensor inputs nor dtensor
-ops are not
-checked (a rank-0-only plain program must not block). A rank that hits thunder's cache while another
+ops are not checked (a rank-0-only plain program must not block). A rank that hits thunder's cache while another
 retraces is not detected (it gathers nothing).
 """
 
@@ -89,12 +88,12 @@ def describe_op(bsym: ti.BoundSymbol) -> str:
     return f"{bsym.sym.name}({ins}) -> ({outs})"
 
 
-#: lowered symbols that issue no communication and whose presence or place legitimately differs by rank: a wait
-#: only blocks until its collective is done (each is placed before the first use, and with uneven shards a rank's
-#: local program may use the gathered value earlier); ``issued_before`` keeps in the forward the collectives no
-#: forward output of this rank reads (a causal ring's step whose chunk this rank does not attend: rank 0 has it,
-#: the last rank not). The order collectives are issued in is what must agree
-_ISSUE_NO_COMMUNICATION = frozenset({"wait_tensor", "issued_before"})
+#: lowered symbols left out: they issue no communication, and their presence or place legitimately differs by
+#: rank. A wait only blocks until its collective is done (each is placed before the first use, and with uneven
+#: shards a rank's local program may use the gathered value earlier); ``issued_before`` keeps in the forward the
+#: collectives no forward output of this rank reads (a causal ring's step whose chunk this rank does not attend:
+#: rank 0 has it, the last rank not). The order collectives are issued in is what must agree
+_LEFT_OUT = frozenset({"wait_tensor", "issued_before"})
 
 
 #: the lowered program's boundary: it issues no communication, and a rank's local program may put it elsewhere
@@ -112,7 +111,7 @@ def program_ops(traces: Sequence[tuple[str, Any]]) -> list[str]:
             continue
         boundary: list[str] = []
         for bsym in trace.bound_symbols:
-            if bsym.sym.name in _ISSUE_NO_COMMUNICATION:
+            if bsym.sym.name in _LEFT_OUT:
                 continue
             if getattr(bsym.sym, "executor", None) in (dtensor_ex, dtensor_comm_ex):
                 in_boundary = bsym.sym.name in _BOUNDARY

@@ -66,8 +66,9 @@ def _attention(causal: bool):
 def test_sequence_sharded_attention_is_a_ring(causal, rotate, monkeypatch):
     """Values and gradients equal plain attention; outputs and gradients stay sequence-sharded; the lowered
     programs show local flash-kernel calls and the rotation's collective, forward and backward. The ranks issue
-    the same collectives (the opt-in rank-consistency check, which ignored a causal ring's ``issued_before``
-    only on ranks that do not attend a step's chunk until it was taught that it issues no communication)."""
+    the same collectives: the opt-in rank-consistency check passes (it raised on the causal ring, whose
+    ``issued_before`` only ranks that do not attend a step's chunk have, until it left that symbol out: it issues
+    no communication)."""
     monkeypatch.setenv(consistency.ENV_VAR, "1")
     q, k, v = (make_full((2, 4, 16, 8), seed=s) for s in (1, 2, 3))
     case = DTensorCase(_attention(causal), [q, k, v], [[Shard(2)]] * 3)
